@@ -1,0 +1,3 @@
+from kvproxy.cli import main
+
+raise SystemExit(main())

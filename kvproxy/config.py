@@ -1,0 +1,228 @@
+"""Settings: one frozen object, resolved once at start.
+
+Sources, highest priority first: CLI overrides (passed as init kwargs), environment
+(`KVPROXY_*`, `__` for nesting), the YAML file named by `KVPROXY_CONFIG` / `--config`,
+then the defaults below. An invalid value raises `ConfigError` with one line naming the
+setting; the CLI turns that into exit code 2.
+
+Every default here is a safety decision; the README explains each one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+MIB = 1024 * 1024
+
+
+class ConfigError(Exception):
+    """A setting is invalid; the message is one line naming it."""
+
+
+class EngineSpec(BaseModel):
+    """One engine the capacity monitor polls directly (never through the router)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str
+    role: Literal["prefill", "decode", "unified"] = "unified"
+    kind: Literal["sglang", "vllm", "static"] = "sglang"
+    # Only for kind=static: an operator-declared pool, always labelled source="declared".
+    capacity_tokens: int | None = Field(default=None, ge=1)
+    # Optional human name for metrics/logs; defaults to the URL's host:port.
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _static_needs_capacity(self) -> EngineSpec:
+        if self.kind == "static" and self.capacity_tokens is None:
+            raise ValueError("kind=static needs capacity_tokens")
+        if self.kind != "static" and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        rest = self.url.split("://", 1)[-1]
+        return rest.split("/", 1)[0] or self.url
+
+
+class CanaryTenant(BaseModel):
+    """Markers that belong to one tenant; seeing them in another tenant's reply is a leak."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=64)
+    markers: tuple[str, ...] = ()
+    # Regular expressions, e.g. "KVCANARY-acme-[0-9a-f]{16}".
+    patterns: tuple[str, ...] = ()
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVPROXY_",
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="forbid",
+        case_sensitive=False,
+    )
+
+    # --- network -------------------------------------------------------------------------
+    listen: str = "0.0.0.0:8080"
+    admin_listen: str = "0.0.0.0:9090"
+    upstream: str = "http://127.0.0.1:8000"
+    # Request bodies: 1M-token prompts are ~4-16 MiB of JSON; 32 MiB leaves room.
+    max_body_bytes: int = Field(default=32 * MIB, ge=1024)
+    # A client must deliver its whole body within this time (slowloris guard).
+    body_read_timeout_s: float = Field(default=60.0, gt=0)
+    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
+    # Worst time between two upstream reads: a 1M-token prefill can take minutes before the
+    # first byte; the router sends nothing meanwhile.
+    upstream_read_timeout_s: float = Field(default=900.0, gt=0)
+    # Shorter than the router's idle keep-alive so we never POST on a connection the router
+    # is closing (aiohttp does not retry a POST that hit ServerDisconnectedError).
+    upstream_keepalive_s: float = Field(default=15.0, gt=0)
+    upstream_max_connections: int = Field(default=1024, ge=1)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+    # --- capacity ------------------------------------------------------------------------
+    engines: tuple[EngineSpec, ...] = ()
+    max_context: int | None = Field(default=None, ge=1)
+    capacity_refresh_s: float = Field(default=10.0, gt=0)
+    capacity_stale_s: float = Field(default=60.0, gt=0)
+    capacity_probe_timeout_s: float = Field(default=5.0, gt=0)
+    limit_margin_tokens: int = Field(default=0, ge=0)
+    # Explicit, operator-owned fallback used only while no measurement is fresh (I3).
+    capacity_fallback_limit_tokens: int | None = Field(default=None, ge=1)
+
+    # --- tokens and admission ------------------------------------------------------------
+    tokenizer: str = "bytes"
+    chat_template: str | None = None
+    count_timeout_s: float = Field(default=10.0, gt=0)
+    count_concurrency: int = Field(default=2, ge=1)
+    image_tokens: int = Field(default=16384, ge=0)
+    audio_tokens: int = Field(default=16384, ge=0)
+    decode_policy: Literal["reject", "clamp"] = "reject"
+    # Output assumed when a request names no max_tokens (decode needs room for >= 1 token).
+    default_output_tokens: int = Field(default=1, ge=1)
+
+    # --- deferred cancellation -----------------------------------------------------------
+    drain_until: Literal["first_token", "completion"] = "first_token"
+    # SGLang's bootstrap/waiting timeouts are 300 s: after that the engine has given up the
+    # transfer itself, so waiting longer buys nothing and shorter may cut a live transfer.
+    drain_timeout_s: float = Field(default=300.0, gt=0)
+    max_inflight_prompt_tokens: int | None = Field(default=None, ge=1)
+    max_inflight_requests: int | None = Field(default=None, ge=1)
+    queue_timeout_s: float = Field(default=30.0, ge=0)
+    queue_max_waiters: int = Field(default=1024, ge=0)
+
+    # --- tenants and canaries ------------------------------------------------------------
+    tenant_header: str = "X-Tenant-ID"
+    trust_tenant_header: bool = False
+    # bearer-token -> tenant map; tokens never appear in logs or labels.
+    tenant_tokens: dict[str, str] = Field(default_factory=dict)
+    tenant_hash_salt: str = "kvproxy"
+    canaries: tuple[CanaryTenant, ...] = ()
+    canary_action: Literal["block", "observe"] = "block"
+
+    # --- logging -------------------------------------------------------------------------
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = True
+
+    @field_validator("listen", "admin_listen")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        split_host_port(v)
+        return v
+
+    @field_validator("upstream")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"must start with http:// or https://, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, v: str) -> str:
+        if v in ("bytes", "engine") or v.startswith(("hf:", "tiktoken:")):
+            return v
+        raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Settings:
+        if self.capacity_stale_s < self.capacity_refresh_s:
+            raise ValueError("capacity_stale_s must be >= capacity_refresh_s")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    @property
+    def listen_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.listen)
+
+    @property
+    def admin_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.admin_listen)
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the YAML file named by KVPROXY_CONFIG (the CLI sets it from --config)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("KVPROXY_CONFIG")
+        if not path:
+            return {}
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"config file {path}: {exc}".replace("\n", " ")) from exc
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping")
+        return {str(k).lower(): v for k, v in data.items()}
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not (0 <= int(port) <= 65535):
+        raise ValueError(f"must be HOST:PORT, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build Settings or raise ConfigError with one readable line."""
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        env = "KVPROXY_" + loc.split(".")[0].upper()
+        msg = f"invalid setting {loc} ({env}): {err['msg']}"
+        if len(exc.errors()) > 1:
+            msg += f" (and {len(exc.errors()) - 1} more)"
+        raise ConfigError(msg) from None

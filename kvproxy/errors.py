@@ -1,0 +1,260 @@
+"""Error bodies and the one map from exceptions to kvproxy outcomes.
+
+Tree of what a request can end in, besides a relayed upstream response:
+
+    KvproxyError                      HTTP  code                        metric reason
+    ├── rejections (I7: nothing was sent upstream)
+    │   ├── context_length_exceeded   400   context_length_exceeded     context_length
+    │   ├── decode_budget_exceeded    400   context_length_exceeded     decode_budget
+    │   ├── invalid_request           400   invalid_request             invalid_request
+    │   ├── body_too_large            413   request_too_large           body_too_large
+    │   ├── body_read_timeout         408   request_timeout             body_read_timeout
+    │   ├── capacity_unknown          503   capacity_unknown            capacity_unknown
+    │   ├── count_unavailable         503   token_count_unavailable     count_unavailable
+    │   └── over_budget               429   inflight_budget_exceeded    over_budget
+    └── upstream failures (map_upstream_exception)
+        ├── upstream_unreachable      502   upstream_unreachable
+        ├── upstream_reset            502   upstream_reset
+        ├── upstream_timeout          504   upstream_timeout
+        ├── upstream_bad_response     502   upstream_bad_response
+        └── canary_violation          502   canary_violation
+
+Bodies follow OpenAI's `{"error": {...}}` shape for `/v1/*` and SGLang's flat shape for
+`/generate`. Messages never quote prompt or completion text (I8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+
+ErrorStyle = Literal["openai", "sglang"]
+
+REJECTION_REASONS = (
+    "context_length",
+    "decode_budget",
+    "invalid_request",
+    "body_too_large",
+    "body_read_timeout",
+    "capacity_unknown",
+    "count_unavailable",
+    "over_budget",
+    "method_not_allowed",
+)
+
+
+@dataclass(frozen=True)
+class KvproxyError(Exception):
+    """An outcome kvproxy answers itself: status, OpenAI error fields, metric reason."""
+
+    status: int
+    code: str
+    message: str
+    reason: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code}: {self.message}"
+
+    def body(self, style: ErrorStyle = "openai") -> bytes:
+        if style == "sglang":
+            return sglang_error_body(self.message, self.status, self.code, self.extra)
+        return openai_error_body(self.message, self.type, self.param, self.code, self.extra)
+
+    @property
+    def is_rejection(self) -> bool:
+        return self.reason in REJECTION_REASONS
+
+
+def openai_error_body(
+    message: str,
+    type_: str,
+    param: str | None,
+    code: str,
+    extra: dict[str, Any] | None = None,
+) -> bytes:
+    err: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
+    if extra:
+        err.update(extra)
+    return orjson.dumps({"error": err})
+
+
+def sglang_error_body(
+    message: str, status: int, code: str, extra: dict[str, Any] | None = None
+) -> bytes:
+    # SGLang's flat shape (`{"object":"error",...,"code":400}`) plus our machine code, so a
+    # client of /generate can tell a kvproxy rejection from an engine error.
+    body: dict[str, Any] = {
+        "object": "error",
+        "message": message,
+        "type": "BadRequestError" if status < 500 else "ServiceUnavailableError",
+        "param": None,
+        "code": status,
+        "kvproxy_code": code,
+    }
+    if extra:
+        body.update(extra)
+    return orjson.dumps(body)
+
+
+def sse_error_event(err: KvproxyError) -> bytes:
+    """An error event to end a stream that already sent headers (canary block, upstream cut)."""
+    return b"data: " + err.body("openai") + b"\n\ndata: [DONE]\n\n"
+
+
+# --- constructors: the one definition of each outcome ------------------------------------
+
+
+def context_length_exceeded(
+    prompt_tokens: int, limit_tokens: int, limit_source: str, param: str, why: str
+) -> KvproxyError:
+    return KvproxyError(
+        status=400,
+        code="context_length_exceeded",
+        reason="context_length",
+        param=param,
+        message=(
+            f"prompt is {prompt_tokens:,} tokens; this deployment accepts at most "
+            f"{limit_tokens:,} ({why}). Shorten the prompt."
+        ),
+        extra={
+            "prompt_tokens": prompt_tokens,
+            "limit_tokens": limit_tokens,
+            "limit_source": limit_source,
+        },
+    )
+
+
+def decode_budget_exceeded(
+    prompt_tokens: int, output_tokens: int, decode_limit: int, limit_source: str
+) -> KvproxyError:
+    return KvproxyError(
+        status=400,
+        code="context_length_exceeded",
+        reason="decode_budget",
+        param="max_tokens",
+        message=(
+            f"prompt ({prompt_tokens:,} tokens) plus requested output ({output_tokens:,} "
+            f"tokens) is {prompt_tokens + output_tokens:,}; the decode KV pool holds at most "
+            f"{decode_limit:,}. Lower max_tokens or shorten the prompt."
+        ),
+        extra={
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "limit_tokens": decode_limit,
+            "limit_source": limit_source,
+        },
+    )
+
+
+def invalid_request(message: str, param: str | None = None) -> KvproxyError:
+    return KvproxyError(
+        status=400, code="invalid_request", reason="invalid_request", message=message, param=param
+    )
+
+
+def body_too_large(size: int | None, limit: int) -> KvproxyError:
+    got = f"{size:,} bytes" if size is not None else "more"
+    return KvproxyError(
+        status=413,
+        code="request_too_large",
+        reason="body_too_large",
+        message=f"request body is {got}; the limit is {limit:,} bytes (KVPROXY_MAX_BODY_BYTES)",
+    )
+
+
+def body_read_timeout(timeout_s: float) -> KvproxyError:
+    return KvproxyError(
+        status=408,
+        code="request_timeout",
+        reason="body_read_timeout",
+        message=f"request body was not received within {timeout_s:g} s",
+    )
+
+
+def capacity_unknown(retry_after_s: int, detail: str) -> KvproxyError:
+    return KvproxyError(
+        status=503,
+        code="capacity_unknown",
+        reason="capacity_unknown",
+        type="service_unavailable",
+        message=f"the engines' KV capacity is not known right now ({detail}); retry later",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def count_unavailable(detail: str) -> KvproxyError:
+    return KvproxyError(
+        status=503,
+        code="token_count_unavailable",
+        reason="count_unavailable",
+        type="service_unavailable",
+        message=f"the prompt could not be token-counted in time ({detail}); retry later",
+        headers={"Retry-After": "5"},
+    )
+
+
+def over_budget(retry_after_s: int, detail: str) -> KvproxyError:
+    return KvproxyError(
+        status=429,
+        code="inflight_budget_exceeded",
+        reason="over_budget",
+        type="rate_limit_error",
+        message=f"the in-flight budget is full ({detail}); retry later",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def method_not_allowed(method: str) -> KvproxyError:
+    return KvproxyError(
+        status=405,
+        code="method_not_allowed",
+        reason="method_not_allowed",
+        message=f"method {method} is not allowed on inference routes",
+    )
+
+
+def canary_violation() -> KvproxyError:
+    return KvproxyError(
+        status=502,
+        code="canary_violation",
+        reason="canary_violation",
+        type="server_error",
+        message="the response was withheld: it carried data that belongs to another tenant",
+    )
+
+
+def _upstream(status: int, code: str, message: str) -> KvproxyError:
+    return KvproxyError(status=status, code=code, reason=code, type="server_error", message=message)
+
+
+def map_upstream_exception(exc: BaseException) -> KvproxyError:
+    """The one place that turns aiohttp/OS exceptions from the upstream leg into outcomes."""
+    if isinstance(exc, KvproxyError):
+        return exc
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return _upstream(504, "upstream_timeout", "the router did not answer in time")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return _upstream(502, "upstream_unreachable", "the router is unreachable")
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionError)):
+        return _upstream(502, "upstream_reset", "the router closed the connection")
+    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ClientResponseError)):
+        return _upstream(502, "upstream_bad_response", "the router sent a malformed response")
+    if isinstance(exc, aiohttp.ClientError):
+        return _upstream(502, "upstream_bad_response", f"upstream error: {type(exc).__name__}")
+    raise exc
+
+
+UPSTREAM_OUTCOMES = (
+    "upstream_timeout",
+    "upstream_unreachable",
+    "upstream_reset",
+    "upstream_bad_response",
+)

@@ -1,0 +1,237 @@
+"""Every Prometheus metric kvproxy exports, defined once.
+
+Names are a contract (DESIGN.md, "Contract"): dashboards, alert rules and `kvproxy check`
+read them. Labels never carry prompt or completion text (I8): only routes, reasons,
+outcomes, engine names and tenant ids.
+
+Each `Metrics` owns its own registry so that several proxies (tests, the demo) can live in
+one process without colliding.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds: a 1M-token prefill can take minutes; default buckets stop at 10 s.
+LONG_SECONDS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280,
+    2560,
+)  # fmt: skip
+DECISION_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1, 2.5, 5, 10)  # fmt: skip
+LOOP_LAG_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 131072, 262144, 524288, 1048576,
+                 2097152)  # fmt: skip
+DRIFT_BUCKETS = (-4096, -1024, -256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256, 1024, 4096)
+DEFERRED_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 180, 300, 600)
+QUEUE_SECONDS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+DEFERRED_OUTCOMES = ("first_token", "completed", "upstream_error", "timeout", "shutdown")
+DISCONNECT_PHASES = ("before_headers", "before_first_token", "streaming")
+COUNT_METHODS = ("bound", "exact", "engine")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+
+        # --- requests ---------------------------------------------------------------------
+        self.requests_total = Counter(
+            "kvproxy_requests_total",
+            "Requests handled, by route and admission decision.",
+            ["route", "decision"],
+            registry=r,
+        )
+        self.responses_total = Counter(
+            "kvproxy_responses_total",
+            "Responses sent to clients, by route and HTTP status code.",
+            ["route", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "kvproxy_request_duration_seconds",
+            "Time from request start to the end of the response (or of the drain).",
+            ["route"],
+            buckets=LONG_SECONDS,
+            registry=r,
+        )
+        self.upstream_ttft = Histogram(
+            "kvproxy_upstream_ttft_seconds",
+            "Time from forwarding a request to the first upstream body byte.",
+            buckets=LONG_SECONDS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "kvproxy_inflight_requests",
+            "Requests currently being handled, deferred cancellations included.",
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvproxy_upstream_errors_total",
+            "Upstream failures, by kvproxy outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "kvproxy_client_disconnects_total",
+            "Clients that went away before their response ended, by phase.",
+            ["phase"],
+            registry=r,
+        )
+        self.event_loop_lag = Histogram(
+            "kvproxy_event_loop_lag_seconds",
+            "How late the event loop ran a timer scheduled for now (stalls show here).",
+            buckets=LOOP_LAG_SECONDS,
+            registry=r,
+        )
+        self.event_loop_lag_max = Gauge(
+            "kvproxy_event_loop_lag_max_seconds",
+            "Largest event-loop lag seen since start.",
+            registry=r,
+        )
+
+        # --- capacity ---------------------------------------------------------------------
+        self.pool_capacity = Gauge(
+            "kvproxy_pool_capacity_tokens",
+            "KV-cache pool each engine reports having allocated.",
+            ["engine", "role", "source"],
+            registry=r,
+        )
+        self.engine_input_limit = Gauge(
+            "kvproxy_engine_input_limit_tokens",
+            "Largest prompt each engine accepts, derived from its runtime report.",
+            ["engine", "role", "source"],
+            registry=r,
+        )
+        self.admission_limit = Gauge(
+            "kvproxy_admission_limit_tokens",
+            "Largest prompt that is admitted (inclusive); 0 while capacity is unknown.",
+            registry=r,
+        )
+        self.decode_limit = Gauge(
+            "kvproxy_decode_limit_tokens",
+            "Largest prompt + output that decode holds (inclusive); 0 while unknown.",
+            registry=r,
+        )
+        self.declared_context = Gauge(
+            "kvproxy_declared_context_tokens",
+            "Context length declared in configuration (KVPROXY_MAX_CONTEXT); 0 if unset.",
+            registry=r,
+        )
+        self.capacity_known = Gauge(
+            "kvproxy_capacity_known",
+            "1 when every engine has a fresh measurement, else 0.",
+            registry=r,
+        )
+        self.capacity_last_success = Gauge(
+            "kvproxy_capacity_last_success_timestamp_seconds",
+            "Unix time of each engine's last successful capacity probe.",
+            ["engine"],
+            registry=r,
+        )
+        self.capacity_probe_errors = Counter(
+            "kvproxy_capacity_probe_errors_total",
+            "Failed capacity probes, by engine and reason.",
+            ["engine", "reason"],
+            registry=r,
+        )
+
+        # --- admission --------------------------------------------------------------------
+        self.rejections = Counter(
+            "kvproxy_rejections_total",
+            "Requests refused before reaching the router, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "kvproxy_prompt_tokens",
+            "Prompt tokens used for the decision (a bound or an exact count), by method.",
+            ["method"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.admission_duration = Histogram(
+            "kvproxy_admission_duration_seconds",
+            "Time to decide admission, by counting method.",
+            ["method"],
+            buckets=DECISION_SECONDS,
+            registry=r,
+        )
+        self.token_count_drift = Histogram(
+            "kvproxy_token_count_drift",
+            "Engine-reported usage.prompt_tokens minus kvproxy's count (exact counts only).",
+            buckets=DRIFT_BUCKETS,
+            registry=r,
+        )
+        self.token_bound_exceeded = Counter(
+            "kvproxy_token_bound_exceeded_total",
+            "Responses whose usage.prompt_tokens exceeded kvproxy's count or bound "
+            "(the configured tokenizer does not match the model).",
+            registry=r,
+        )
+
+        # --- deferred cancellation and budget ---------------------------------------------
+        self.deferred_total = Counter(
+            "kvproxy_deferred_cancellations_total",
+            "Upstream closes deferred after a client disconnect, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.deferred_duration = Histogram(
+            "kvproxy_deferred_cancellation_duration_seconds",
+            "Time an upstream was kept open after its client left, by outcome.",
+            ["outcome"],
+            buckets=DEFERRED_SECONDS,
+            registry=r,
+        )
+        self.deferred_in_progress = Gauge(
+            "kvproxy_deferred_cancellations_in_progress",
+            "Upstreams currently kept open for a client that has gone.",
+            registry=r,
+        )
+        self.discarded_tokens = Counter(
+            "kvproxy_discarded_tokens_total",
+            "Generated-token chunks read from upstream and discarded after a disconnect.",
+            registry=r,
+        )
+        self.budget_tokens_in_use = Gauge(
+            "kvproxy_inflight_prompt_tokens",
+            "Prompt tokens held by requests whose upstream is still open.",
+            registry=r,
+        )
+        self.budget_tokens_limit = Gauge(
+            "kvproxy_inflight_prompt_tokens_limit",
+            "Configured in-flight prompt-token budget (0 = unlimited).",
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "kvproxy_queue_depth",
+            "Requests waiting for in-flight budget.",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "kvproxy_queue_wait_seconds",
+            "Time admitted requests waited for in-flight budget.",
+            buckets=QUEUE_SECONDS,
+            registry=r,
+        )
+
+        # --- isolation --------------------------------------------------------------------
+        self.canary_violations = Counter(
+            "kvproxy_canary_violations_total",
+            "Responses to a tenant that carried another tenant's canary marker.",
+            ["tenant"],
+            registry=r,
+        )
+
+        # Pre-create the label sets dashboards and alerts read, so a fresh proxy exports 0
+        # rather than nothing (rate() over a missing series is empty, not zero).
+        for outcome in DEFERRED_OUTCOMES:
+            self.deferred_total.labels(outcome)
+            self.deferred_duration.labels(outcome)
+        for phase in DISCONNECT_PHASES:
+            self.client_disconnects.labels(phase)
+        for method in COUNT_METHODS:
+            self.prompt_tokens.labels(method)
+            self.admission_duration.labels(method)
