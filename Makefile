@@ -1,0 +1,63 @@
+# The two commands a newcomer runs: `make run` and `make test`. Both create/reuse .venv and
+# install what they need, including Debian packages the tests use (when run as root).
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+PYTEST  := $(VENV)/bin/pytest
+APT_PKGS := prometheus wrk nginx-light curl
+
+.PHONY: run test test-fast test-slow lint fmt sysdeps dashboard bench bench-peers check-record clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -U pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,test,dev]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+# Debian packages used by tests and benchmarks; installed only when missing and when root.
+sysdeps:
+	@missing=""; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v wrk >/dev/null || missing="$$missing wrk"; \
+	command -v nginx >/dev/null || missing="$$missing nginx-light"; \
+	command -v curl >/dev/null || missing="$$missing curl"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "not root: tests needing$$missing will be skipped"; fi; \
+	fi
+
+run: $(STAMP)
+	$(VENV)/bin/kvproxy demo
+
+# Everything but the slow suites (soak, real router, real Prometheus end to end).
+test: $(STAMP) sysdeps
+	$(PYTEST) -q -m "not slow" -p no:cacheprovider
+
+test-slow: $(STAMP) sysdeps
+	$(PYTEST) -q -m "slow" -p no:cacheprovider
+
+test-fast: test
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check kvproxy tests bench grafana
+	$(VENV)/bin/ruff check kvproxy tests bench grafana
+	$(VENV)/bin/mypy --strict kvproxy
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format kvproxy tests bench grafana
+	$(VENV)/bin/ruff check --fix kvproxy tests bench grafana
+
+dashboard: $(STAMP)
+	$(PY) grafana/generate.py
+
+bench: $(STAMP) sysdeps
+	$(PY) bench/run.py
+
+bench-peers: $(STAMP) sysdeps
+	$(PY) bench/run.py --peers
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,89 @@
+"""Logging: JSON lines on stderr, and the one access-log record per request.
+
+Must never: log prompt or completion text (I8), bearer tokens, or request bodies. The
+access log takes an explicit, closed set of fields; nothing free-form from a request is
+copied into it except ids the proxy generated or sanitised.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+
+ACCESS_LOGGER = "kvproxy.access"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info and record.levelno >= logging.ERROR:
+            out["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+def setup_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # aiohttp logs every client-gone condition with a traceback at ERROR in some paths and
+    # its own access log duplicates ours; we log those events ourselves, without content.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+
+
+def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
+    """Structured log line; callers pass only sizes, ids, tenants, reasons."""
+    if logger.isEnabledFor(level):
+        logger.log(level, msg, extra={"fields": fields})
+
+
+@dataclass
+class AccessRecord:
+    """One line per request. Every field is a size, a duration, an id or a label."""
+
+    request_id: str
+    method: str
+    path: str
+    route: str
+    status: int = 0
+    decision: str = "passthrough"
+    reason: str | None = None
+    tenant: str | None = None
+    prompt_tokens: int | None = None
+    count_method: str | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    ttft_s: float | None = None
+    client_disconnect: str | None = None
+    deferred_outcome: str | None = None
+    deferred_s: float | None = None
+    upstream_outcome: str | None = None
+    started: float = 0.0
+    duration_s: float = 0.0
+
+    def finish(self) -> None:
+        self.duration_s = round(time.monotonic() - self.started, 6)
+        if self.ttft_s is not None:
+            self.ttft_s = round(self.ttft_s, 6)
+        if self.deferred_s is not None:
+            self.deferred_s = round(self.deferred_s, 6)
+
+    def emit(self, logger: logging.Logger) -> None:
+        if logger.isEnabledFor(logging.INFO):
+            fields = {k: v for k, v in asdict(self).items() if v is not None and k != "started"}
+            logger.info("request", extra={"fields": fields})

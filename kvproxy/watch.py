@@ -1,0 +1,111 @@
+"""Background watchers owned by the server: client disconnects and event-loop lag.
+
+Why a disconnect watcher: aiohttp does not cancel a handler when its client leaves (we rely on
+that, I5) and offers no supported "wait for disconnect" API; the only signal is that the
+request's transport becomes None or closing. A failed write notices it too, but during a long
+prefill nothing is written for minutes, and the deferral clock (I5) must start when the client
+actually left. One shared ticker checks every registered request, so the cost is one timer
+wake-up per tick for the whole process rather than one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from aiohttp import web
+
+from kvproxy.metrics import Metrics
+
+DISCONNECT_TICK_S = 0.05
+LAG_TICK_S = 0.05
+
+
+class DisconnectWatcher:
+    def __init__(self, tick_s: float = DISCONNECT_TICK_S) -> None:
+        self._tick_s = tick_s
+        self._watched: dict[web.BaseRequest, asyncio.Future[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="disconnect-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def watch(self, request: web.BaseRequest) -> asyncio.Future[None]:
+        """A future resolved when the client's connection is gone."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if _gone(request):
+            fut.set_result(None)
+        else:
+            self._watched[request] = fut
+        return fut
+
+    def unwatch(self, request: web.BaseRequest) -> None:
+        fut = self._watched.pop(request, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    @property
+    def watched(self) -> int:
+        return len(self._watched)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            if not self._watched:
+                continue
+            gone = [r for r in self._watched if _gone(r)]
+            for request in gone:
+                fut = self._watched.pop(request)
+                if not fut.done():
+                    fut.set_result(None)
+
+
+def _gone(request: web.BaseRequest) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+class LoopLagMonitor:
+    """Measures how late a timer fires: any stall of the loop (a GIL-holding tokenizer call,
+    a big synchronous parse) shows up here. Tests and benchmarks assert on `max_lag_s`."""
+
+    def __init__(self, metrics: Metrics, tick_s: float = LAG_TICK_S) -> None:
+        self._metrics = metrics
+        self._tick_s = tick_s
+        self._task: asyncio.Task[None] | None = None
+        self.max_lag_s = 0.0
+        self.samples = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def reset_max(self) -> None:
+        self.max_lag_s = 0.0
+
+    async def _run(self) -> None:
+        hist = self._metrics.event_loop_lag
+        gauge = self._metrics.event_loop_lag_max
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(self._tick_s)
+            lag = max(0.0, time.perf_counter() - t0 - self._tick_s)
+            hist.observe(lag)
+            self.samples += 1
+            if lag > self.max_lag_s:
+                self.max_lag_s = lag
+                gauge.set(lag)
