@@ -1,0 +1,89 @@
+"""Small PromQL helpers shared by the dashboard, the rules and their tests.
+
+Owns: building selectors with the dashboard's filter variables, turning a Grafana query into
+plain PromQL (so promtool and Prometheus can run it), and listing which metric names and
+label names an expression reads. The last is a lexical scan, not a parser: it is exact for
+the expressions this package writes (promtool does the real parsing in tests) and must never
+be used to judge PromQL it did not write.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Grafana multi-value variables expand to a regex alternation, hence `=~`.
+DASHBOARD_FILTER = 'job=~"$job",instance=~"$instance"'
+
+# What Grafana would substitute; the values only need to be valid PromQL.
+GRAFANA_DEFAULTS: dict[str, str] = {
+    "$__rate_interval": "1m",
+    "$__interval": "30s",
+    "$__range": "1h",
+    "$job": ".*",
+    "$instance": ".*",
+}
+
+_KEYWORDS = frozenset(
+    {
+        "and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
+        "group_right", "bool", "offset", "inf", "nan", "atan2", "start", "end",
+    }
+)  # fmt: skip
+_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"' + r"|'(?:[^'\\]|\\.)*'")
+_IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+_SELECTOR = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*\{([^}]*)\}")
+_MATCHER_LABEL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
+
+
+def sel(metric: str, matchers: str = "") -> str:
+    """`metric{<dashboard filter>,matchers}` for dashboard queries."""
+    inner = DASHBOARD_FILTER + ("," + matchers if matchers else "")
+    return f"{metric}{{{inner}}}"
+
+
+def to_promql(expr: str) -> str:
+    """Replace Grafana's variables with fixed values (longest names first)."""
+    for name in sorted(GRAFANA_DEFAULTS, key=len, reverse=True):
+        expr = expr.replace(name, GRAFANA_DEFAULTS[name])
+    return expr
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects (functions, keywords and labels excluded)."""
+    text = _STRING.sub('""', expr)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = _GROUPING.sub(" ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)  # range and subquery durations
+    text = re.sub(r"\boffset\s+\w+", " ", text)
+    names: set[str] = set()
+    for match in _IDENT.finditer(text):
+        word = match.group(0)
+        rest = text[match.end() :].lstrip()
+        if rest.startswith("("):  # a function call
+            continue
+        if word.lower() in _KEYWORDS or _is_number(text, match.start()):
+            continue
+        names.add(word)
+    return names
+
+
+def selector_labels(expr: str) -> dict[str, set[str]]:
+    """Label names used in matchers, per metric name (`m{a="x"}` -> {"m": {"a"}})."""
+    found: dict[str, set[str]] = {}
+    for metric, body in _SELECTOR.findall(_STRING.sub('""', expr)):
+        found.setdefault(metric, set()).update(_MATCHER_LABEL.findall(body))
+    return found
+
+
+def grouping_labels(expr: str) -> set[str]:
+    """Label names in by/without/on/ignoring/group_* clauses."""
+    labels: set[str] = set()
+    for _, body in _GROUPING.findall(_STRING.sub('""', expr)):
+        labels.update(part.strip() for part in body.split(",") if part.strip())
+    return labels
+
+
+def _is_number(text: str, start: int) -> bool:
+    # Exponents such as 1e3 look like identifiers after a digit.
+    return start > 0 and (text[start - 1].isdigit() or text[start - 1] == ".")

@@ -1,0 +1,163 @@
+"""kvproxy's Prometheus alert rules, one source for the rules file and the PrometheusRule.
+
+Owns: each alert's expression, hold time, severity, summary and description, and the two
+documents built from them (`grafana/alerts.rules.yml` for plain Prometheus and
+`deploy/monitoring/prometheusrule.yaml` for the Prometheus Operator). Every alert has a
+section of the same name in grafana/RUNBOOK.md and unit tests in grafana/alerts.test.yml.
+Annotations carry sizes, engines and tenants, never prompt text (I8).
+
+Expressions aggregate `by (job, instance)` so one alert names one kvproxy replica; engine
+and tenant labels are kept where they say what to fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GROUP = "kvproxy"
+# Where alert notifications link to; the section anchor is the alert name in lower case.
+# Point it at your own copy (e.g. a repository URL) when deploying.
+RUNBOOK = "grafana/RUNBOOK.md"
+# p99 event-loop lag that makes every request on a replica wait (the dashboard draws it).
+LOOP_LAG_SECONDS = 0.1
+# Share of requests rejected, and a minimum rate so that three rejected requests out of ten
+# at 3 a.m. do not page anyone.
+REJECTED_SHARE = 0.10
+REJECTED_MIN_PER_S = 0.05
+# increase() extrapolates to the window's edges (1 event can read 1.07); say "about N".
+ROUNDED_VALUE = '{{ $value | printf "%.0f" }}'
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    severity: str
+    summary: str
+    description: str
+    hold: str = "0m"
+
+    def rule(self) -> dict[str, Any]:
+        rule: dict[str, Any] = {"alert": self.name, "expr": self.expr}
+        if self.hold != "0m":
+            rule["for"] = self.hold
+        rule["labels"] = {"severity": self.severity}
+        rule["annotations"] = {
+            "summary": self.summary,
+            "description": self.description,
+            "runbook_url": f"{RUNBOOK}#{self.name.lower()}",
+        }
+        return rule
+
+
+ALERTS: tuple[Alert, ...] = (
+    Alert(
+        "KvproxyCanaryViolation",
+        # The second clause catches a tenant's first violation: its series is born at 1,
+        # which increase() cannot see (it needs two samples).
+        "sum by (job, instance, tenant) (increase(kvproxy_canary_violations_total[10m])) > 0\n"
+        "or\n"
+        "sum by (job, instance, tenant) (\n"
+        "  kvproxy_canary_violations_total unless kvproxy_canary_violations_total offset 10m\n"
+        ") > 0\n",
+        "page",
+        "Tenant {{ $labels.tenant }} received another tenant's canary marker",
+        "kvproxy {{ $labels.instance }} saw a response to tenant {{ $labels.tenant }} carrying "
+        "another tenant's canary marker in the last 10 minutes. Treat it as a cross-tenant "
+        "data leak: stop rollouts, keep the engines' logs, follow the runbook.",
+    ),
+    Alert(
+        "KvproxyPoolBelowDeclaredContext",
+        "kvproxy_pool_capacity_tokens\n"
+        "  < on (job, instance) group_left ()\n"
+        "kvproxy_declared_context_tokens\n",
+        "warning",
+        "Engine {{ $labels.engine }} KV pool is smaller than the declared context",
+        "Engine {{ $labels.engine }} ({{ $labels.role }}, {{ $labels.source }}) reports a KV "
+        "pool of " + ROUNDED_VALUE + " tokens, below the context declared to kvproxy "
+        "{{ $labels.instance }}. kvproxy rejects prompts above the pool with 400 "
+        "context_length_exceeded; clients promised the declared context will hit them.",
+        hold="5m",
+    ),
+    Alert(
+        "KvproxyCapacityUnknown",
+        "kvproxy_capacity_known == 0\n",
+        "warning",
+        "kvproxy {{ $labels.instance }} has no fresh KV capacity measurement",
+        "kvproxy {{ $labels.instance }} could not measure every engine's KV pool within its "
+        "stale limit. It refuses inference with 503 capacity_unknown (unless a fallback limit "
+        "is configured) and reports not ready.",
+        hold="2m",
+    ),
+    Alert(
+        "KvproxyDeferredCancelTimeouts",
+        "sum by (job, instance) (\n"
+        '  increase(kvproxy_deferred_cancellations_total{outcome="timeout"}[15m])\n'
+        ") > 0\n",
+        "warning",
+        "Deferred cancellations on {{ $labels.instance }} ended by timeout",
+        "kvproxy {{ $labels.instance }} closed about " + ROUNDED_VALUE + " upstream(s) in the "
+        "last 15 minutes because the drain timeout passed, not because the KV transfer was "
+        "seen to finish. A timeout does not prove that writes into decode pages stopped.",
+    ),
+    Alert(
+        "KvproxyRejectionSpike",
+        "(\n"
+        "  sum by (job, instance) (rate(kvproxy_rejections_total[5m]))\n"
+        "/\n"
+        "  sum by (job, instance) (rate(kvproxy_requests_total[5m]))\n"
+        f") > {REJECTED_SHARE}\n"
+        "and\n"
+        f"sum by (job, instance) (rate(kvproxy_rejections_total[5m])) > {REJECTED_MIN_PER_S}\n",
+        "warning",
+        "kvproxy {{ $labels.instance }} rejects many requests",
+        "{{ $value | humanizePercentage }} of requests to kvproxy {{ $labels.instance }} were "
+        "rejected over the last 5 minutes. See the rejections-by-reason panel: "
+        "context_length means prompts above the measured limit, capacity_unknown means no "
+        "measurement, over_budget means the in-flight budget is full.",
+        hold="10m",
+    ),
+    Alert(
+        "KvproxyEventLoopLag",
+        f"histogram_quantile(0.99,\n"
+        f"  sum by (job, instance, le) (rate(kvproxy_event_loop_lag_seconds_bucket[5m]))\n"
+        f") > {LOOP_LAG_SECONDS}\n",
+        "warning",
+        "kvproxy {{ $labels.instance }} event loop is stalling",
+        "The p99 event-loop lag of kvproxy {{ $labels.instance }} is {{ $value | humanize }}s. "
+        "Every request and every deferred cancellation on this replica waits that long.",
+        hold="10m",
+    ),
+    Alert(
+        "KvproxyTokenBoundExceeded",
+        "sum by (job, instance) (increase(kvproxy_token_bound_exceeded_total[30m])) > 0\n",
+        "warning",
+        "Engine counted more prompt tokens than kvproxy on {{ $labels.instance }}",
+        "An engine reported usage.prompt_tokens above kvproxy's count or bound about "
+        + ROUNDED_VALUE
+        + " time(s) in the last 30 minutes on {{ $labels.instance }}: the configured "
+        "tokenizer does not match the model, so prompts near the limit may be admitted "
+        "above it (I1).",
+    ),
+)
+
+
+def rules_document() -> dict[str, Any]:
+    return {"groups": [{"name": GROUP, "rules": [a.rule() for a in ALERTS]}]}
+
+
+def prometheus_rule_document() -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {
+            "name": "kvproxy",
+            "labels": {
+                "app.kubernetes.io/name": "kvproxy",
+                "app.kubernetes.io/component": "alerting-rules",
+                "app.kubernetes.io/part-of": "kvproxy",
+            },
+        },
+        "spec": rules_document(),
+    }
