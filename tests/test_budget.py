@@ -1,0 +1,266 @@
+"""In-flight budget (kvproxy/budget.py): FIFO, timeouts, cancellation, no leaks.
+
+Timeouts are tiny and the assertions are on outcomes and counters, never on durations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvproxy.budget import InflightBudget, Lease
+from kvproxy.errors import KvproxyError
+from kvproxy.metrics import Metrics
+
+LONG = 60.0  # a queue timeout no test reaches: waits end by grant or cancellation
+
+
+def make(
+    max_tokens: int | None = 100,
+    max_requests: int | None = None,
+    queue_timeout_s: float = LONG,
+    queue_max_waiters: int = 100,
+) -> tuple[InflightBudget, Metrics]:
+    metrics = Metrics(CollectorRegistry())
+    return InflightBudget(max_tokens, max_requests, queue_timeout_s, queue_max_waiters,
+                          metrics), metrics  # fmt: skip
+
+
+def sample(m: Metrics, name: str) -> float:
+    value = m.registry.get_sample_value(name)
+    assert value is not None, name
+    return value
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_fast_path_and_release_is_idempotent() -> None:
+    b, m = make()
+    lease = await b.acquire(60)
+    assert (b.tokens_in_use, b.requests_in_use, b.queue_depth) == (60, 1, 0)
+    assert sample(m, "kvproxy_inflight_prompt_tokens") == 60
+    assert sample(m, "kvproxy_inflight_prompt_tokens_limit") == 100
+    lease.release()
+    lease.release()
+    assert (b.tokens_in_use, b.requests_in_use) == (0, 0)
+    assert sample(m, "kvproxy_inflight_prompt_tokens") == 0
+    assert sample(m, "kvproxy_queue_wait_seconds_count") == 1
+
+
+async def test_lease_as_context_manager() -> None:
+    b, _ = make()
+    with await b.acquire(10) as lease:
+        assert isinstance(lease, Lease)
+        assert b.tokens_in_use == 10
+    assert b.tokens_in_use == 0
+
+
+async def test_never_fits_is_rejected_at_once_with_its_own_detail() -> None:
+    b, m = make(max_tokens=100)
+    with pytest.raises(KvproxyError) as info:
+        await b.acquire(101)
+    err = info.value
+    assert err.status == 429
+    assert err.code == "inflight_budget_exceeded"
+    assert "never fit" in err.message
+    assert int(err.headers["Retry-After"]) >= 1
+    assert b.queue_depth == 0
+    assert sample(m, "kvproxy_queue_depth") == 0
+
+
+async def test_strict_fifo_no_overtaking() -> None:
+    b, _ = make(max_tokens=100)
+    first = await b.acquire(90)
+    order: list[str] = []
+
+    async def want(name: str, tokens: int) -> Lease:
+        lease = await b.acquire(tokens)
+        order.append(name)
+        return lease
+
+    big = asyncio.create_task(want("big", 50))
+    await settle()
+    small = asyncio.create_task(want("small", 5))  # fits now, but must not overtake
+    await settle()
+    assert order == []
+    assert b.queue_depth == 2
+    first.release()
+    leases = await asyncio.gather(big, small)
+    assert order == ["big", "small"]
+    assert b.tokens_in_use == 55
+    for lease in leases:
+        lease.release()
+    assert (b.tokens_in_use, b.requests_in_use, b.queue_depth) == (0, 0, 0)
+
+
+async def test_newcomer_queues_behind_waiters_even_if_it_fits() -> None:
+    b, _ = make(max_tokens=100)
+    held = await b.acquire(60)
+    waiter = asyncio.create_task(b.acquire(50))
+    await settle()
+    late = asyncio.create_task(b.acquire(10))
+    await settle()
+    assert not late.done()
+    held.release()
+    (await waiter).release()
+    (await late).release()
+    assert b.tokens_in_use == 0
+
+
+async def test_request_count_limit() -> None:
+    b, _ = make(max_tokens=None, max_requests=2)
+    a, c = await b.acquire(1_000_000), await b.acquire(5)
+    third = asyncio.create_task(b.acquire(0))
+    await settle()
+    assert not third.done()
+    a.release()
+    (await third).release()
+    c.release()
+    assert (b.tokens_in_use, b.requests_in_use) == (0, 0)
+
+
+async def test_queue_timeout_gives_429_and_leaves_no_trace() -> None:
+    b, m = make(max_tokens=10, queue_timeout_s=0.01)
+    held = await b.acquire(10)
+    with pytest.raises(KvproxyError) as info:
+        await b.acquire(5)
+    assert info.value.status == 429
+    assert "queue timeout" in info.value.message
+    assert "Retry-After" in info.value.headers
+    assert b.queue_depth == 0
+    assert sample(m, "kvproxy_queue_depth") == 0
+    held.release()
+    assert b.tokens_in_use == 0
+
+
+async def test_queue_full_and_zero_timeout_reject_at_once() -> None:
+    b, _ = make(max_tokens=10, queue_max_waiters=1)
+    held = await b.acquire(10)
+    queued = asyncio.create_task(b.acquire(1))
+    await settle()
+    with pytest.raises(KvproxyError, match="queue is full"):
+        await b.acquire(1)
+    held.release()
+    (await queued).release()
+
+    b0, _ = make(max_tokens=10, queue_timeout_s=0)
+    held = await b0.acquire(10)
+    with pytest.raises(KvproxyError, match="queue is full"):
+        await b0.acquire(1)
+    held.release()
+
+
+async def test_cancelled_head_waiter_leaves_no_trace_and_unblocks_queue() -> None:
+    b, _ = make(max_tokens=100)
+    held = await b.acquire(60)
+    head = asyncio.create_task(b.acquire(90))  # blocks everyone behind it
+    await settle()
+    behind = asyncio.create_task(b.acquire(30))
+    await settle()
+    assert not behind.done()
+    head.cancel()
+    lease = await behind  # the head's cancellation let it through without any release
+    assert b.tokens_in_use == 90
+    assert head.cancelled()
+    lease.release()
+    held.release()
+    assert (b.tokens_in_use, b.requests_in_use, b.queue_depth) == (0, 0, 0)
+
+
+async def test_cancel_racing_a_grant_returns_the_tokens() -> None:
+    b, _ = make(max_tokens=10)
+    held = await b.acquire(10)
+    waiter = asyncio.create_task(b.acquire(10))
+    await settle()
+    held.release()  # grants the waiter: its future is resolved, its task not yet resumed
+    assert b.tokens_in_use == 10
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert (b.tokens_in_use, b.requests_in_use, b.queue_depth) == (0, 0, 0)
+
+
+async def test_reject_waiting_on_shutdown() -> None:
+    b, _ = make(max_tokens=10)
+    held = await b.acquire(10)
+    waiters = [asyncio.create_task(b.acquire(5)) for _ in range(3)]
+    await settle()
+    assert b.reject_waiting() == 3
+    for w in waiters:
+        with pytest.raises(KvproxyError, match="shutting down"):
+            await w
+    assert b.queue_depth == 0
+    held.release()
+    assert b.tokens_in_use == 0
+
+
+async def test_unlimited_budget_counts_but_never_waits() -> None:
+    b, m = make(max_tokens=None)
+    leases = [await b.acquire(10**6) for _ in range(5)]
+    assert b.tokens_in_use == 5 * 10**6
+    assert sample(m, "kvproxy_inflight_prompt_tokens_limit") == 0
+    for lease in leases:
+        lease.release()
+    assert b.tokens_in_use == 0
+
+
+async def test_200_concurrent_with_cancellations_and_timeouts_leave_nothing_in_use() -> None:
+    b, m = make(max_tokens=1000, max_requests=20, queue_timeout_s=LONG, queue_max_waiters=150)
+    rng = random.Random(1234)
+    outcomes = {"ok": 0, "rejected": 0, "cancelled": 0}
+    peak = {"tokens": 0, "requests": 0}
+
+    async def one(i: int) -> None:
+        try:
+            lease = await b.acquire(rng.randint(1, 300))
+        except KvproxyError:
+            outcomes["rejected"] += 1
+            return
+        with lease:
+            peak["tokens"] = max(peak["tokens"], b.tokens_in_use)
+            peak["requests"] = max(peak["requests"], b.requests_in_use)
+            for _ in range(rng.randint(0, 3)):
+                await asyncio.sleep(0)
+        outcomes["ok"] += 1
+
+    tasks = [asyncio.create_task(one(i)) for i in range(200)]
+    await asyncio.sleep(0)
+    # Cancel a random tenth of them (clients that left while queued or mid-request).
+    for t in rng.sample(tasks, 20):
+        t.cancel()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+    outcomes["cancelled"] = sum(isinstance(r, asyncio.CancelledError) for r in results)
+    assert sum(outcomes.values()) == 200
+    assert outcomes["ok"] > 100
+    assert outcomes["rejected"] > 0  # more than 150 queued at some point: queue full
+    assert peak["tokens"] <= 1000
+    assert peak["requests"] <= 20
+    assert (b.tokens_in_use, b.requests_in_use, b.queue_depth) == (0, 0, 0)
+    assert sample(m, "kvproxy_inflight_prompt_tokens") == 0
+    assert sample(m, "kvproxy_queue_depth") == 0
+    # Every granted request observed its wait once; a cancelled one may or may not have
+    # been granted before its cancellation.
+    waits = sample(m, "kvproxy_queue_wait_seconds_count")
+    assert outcomes["ok"] <= waits <= outcomes["ok"] + outcomes["cancelled"]
+
+
+def test_constructor_validates() -> None:
+    m = Metrics(CollectorRegistry())
+    with pytest.raises(ValueError, match="max_tokens"):
+        InflightBudget(0, None, 1, 1, m)
+    with pytest.raises(ValueError, match="max_requests"):
+        InflightBudget(None, 0, 1, 1, m)
+    with pytest.raises(ValueError, match="queue"):
+        InflightBudget(None, None, -1, 1, m)
+
+
+async def test_negative_tokens_is_a_caller_bug() -> None:
+    b, _ = make()
+    with pytest.raises(ValueError, match="tokens"):
+        await b.acquire(-1)

@@ -1,0 +1,380 @@
+"""Deferred-cancellation state machine (kvproxy/drain.py).
+
+The core test walks every event order up to a depth, for every configuration, and checks
+the invariants of I5 at each step; the named scenarios after it pin the cases the issue
+lists (disconnect before headers, during a long prefill, mid-stream, non-streaming,
+until=completion, shutdown during a drain).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kvproxy.drain import (
+    ClientGone,
+    CloseUpstream,
+    Deadline,
+    Decision,
+    Discard,
+    DrainMachine,
+    DrainProtocolError,
+    DrainUntil,
+    Event,
+    Forward,
+    KeepReading,
+    NoOp,
+    Outcome,
+    Shutdown,
+    UpstreamChunk,
+    UpstreamEOF,
+    UpstreamError,
+    UpstreamHeaders,
+)
+from kvproxy.metrics import DEFERRED_OUTCOMES, DISCONNECT_PHASES
+
+TIMEOUT_S = 100.0
+CONFIGS = [
+    (True, "first_token"),
+    (True, "completion"),
+    (False, "first_token"),
+    (False, "completion"),
+]
+
+# The alphabet: each builds an event for a machine at time `now` (Deadline fires on time).
+ALPHABET: dict[str, Callable[[DrainMachine, float], Event]] = {
+    "headers": lambda m, t: UpstreamHeaders(t),
+    "chunk": lambda m, t: UpstreamChunk(t, has_token=False),
+    "token": lambda m, t: UpstreamChunk(t, has_token=True),
+    "eof": lambda m, t: UpstreamEOF(t),
+    "error": lambda m, t: UpstreamError(t),
+    "gone": lambda m, t: ClientGone(t),
+    "deadline": lambda m, t: Deadline(m.deadline if m.deadline is not None else t),
+    "shutdown": lambda m, t: Shutdown(t),
+}
+UPSTREAM_EVENTS = {"headers", "chunk", "token", "eof", "error"}
+EXPECTED_OUTCOME = {
+    "token": "first_token",
+    "eof": "completed",
+    "error": "upstream_error",
+    "deadline": "timeout",
+    "shutdown": "shutdown",
+}
+DEPTH = 7
+
+
+@dataclass
+class Model:
+    """What the walk knows, kept apart from the machine's own bookkeeping."""
+
+    headers: bool = False
+    token_seen: bool = False
+    gone: bool = False
+    closed: bool = False
+    closes: int = 0
+    tokens_after_gone: int = 0
+
+
+def walk(streaming: bool, until: DrainUntil) -> Iterator[tuple[list[str], Decision | None]]:
+    """Depth-first over every event sequence; yields (sequence, last decision or None if it
+    raised). Checks the invariants at every step."""
+
+    def step(
+        m: DrainMachine, model: Model, seq: list[str], now: float
+    ) -> Iterator[tuple[list[str], Decision | None]]:
+        if len(seq) == DEPTH:
+            return
+        for name, make in ALPHABET.items():
+            m2, model2 = copy.copy(m), copy.copy(model)
+            event = make(m2, now)
+            before = repr(m2)
+            try:
+                decision = m2.handle(event)
+            except DrainProtocolError:
+                assert repr(m2) == before, "an invalid event changed state"
+                assert invalid(name, model2), (seq, name)
+                yield [*seq, name], None
+                continue
+            assert not invalid(name, model2), (seq, name, "should have raised")
+            check(m2, model2, name, decision, streaming, until, [*seq, name])
+            yield [*seq, name], decision
+            yield from step(m2, model2, [*seq, name], now + 1.0)
+
+    yield from step(DrainMachine(streaming, until, TIMEOUT_S), Model(), [], 0.0)
+
+
+def invalid(name: str, model: Model) -> bool:
+    if name in UPSTREAM_EVENTS and model.closed:
+        return True
+    if name == "headers" and model.headers:
+        return True
+    if name in ("chunk", "token", "eof") and not model.headers:
+        return True
+    if name == "gone" and model.gone:
+        return True
+    # A Deadline with no drain under way and the upstream still open is a caller bug.
+    return name == "deadline" and not model.gone and not model.closed
+
+
+def check(
+    m: DrainMachine,
+    model: Model,
+    name: str,
+    d: Decision,
+    streaming: bool,
+    until: str,
+    seq: list[str],
+) -> None:
+    ends_at_token = streaming and until == "first_token"
+    was_closed = model.closed
+    # Update the model with the event.
+    if name == "headers":
+        model.headers = True
+    if name == "token":
+        model.token_seen = True
+        if model.gone:
+            model.tokens_after_gone += 1
+    if name == "gone":
+        model.gone = True
+        phase = "streaming" if model.token_seen else (
+            "before_first_token" if model.headers else "before_headers")  # fmt: skip
+        assert m.disconnect_phase == phase, seq
+        assert m.disconnect_phase in DISCONNECT_PHASES
+
+    # I5: nothing reaches a client that has gone; nothing is discarded for a present one.
+    if model.gone:
+        assert not isinstance(d, Forward), seq
+    else:
+        assert not isinstance(d, Discard), seq
+        assert m.disconnect_phase is None
+
+    if was_closed:
+        assert isinstance(d, NoOp), seq
+    if isinstance(d, CloseUpstream):
+        model.closed = True
+        model.closes += 1
+        if model.gone:
+            # Closed after a disconnect only at a safe point, with the matching outcome.
+            if name == "gone":
+                assert ends_at_token, seq
+                assert model.token_seen, seq
+                expected = "first_token"
+            else:
+                expected = EXPECTED_OUTCOME[name]
+            assert d.outcome == expected, seq
+            assert d.outcome in DEFERRED_OUTCOMES
+            assert m.outcome == expected
+            if name == "token":
+                assert ends_at_token, seq
+        else:
+            assert d.outcome is None, seq
+            assert m.outcome is None
+    assert model.closes <= 1, seq
+
+    # Chunks without a token never end a drain; with until=completion or a non-streamed
+    # body, tokens do not either.
+    if model.gone and name == "chunk":
+        assert isinstance(d, (Discard, NoOp)), seq
+    if model.gone and name == "token" and not ends_at_token:
+        assert isinstance(d, Discard), seq
+
+    assert m.deferred == (model.gone and not model.closed), seq
+    assert (m.deadline is not None) == m.deferred, seq
+    assert m.upstream_closed == model.closed
+    assert m.discarded_token_chunks == model.tokens_after_gone, seq
+    if m.deferred:
+        assert m.was_deferred
+
+
+@pytest.mark.parametrize(("streaming", "until"), CONFIGS)
+def test_every_event_order(streaming: bool, until: DrainUntil) -> None:
+    n_valid = n_invalid = 0
+    outcomes: set[str | None] = set()
+    for _seq, decision in walk(streaming, until):
+        if decision is None:
+            n_invalid += 1
+            continue
+        n_valid += 1
+        if isinstance(decision, CloseUpstream):
+            outcomes.add(decision.outcome)
+    # The walk really explored: every outcome is reachable (first_token only when a token
+    # can end the drain), and both valid and invalid orders were tried.
+    assert n_valid > 1000
+    assert n_invalid > 1000
+    expected = set(DEFERRED_OUTCOMES) | {None}
+    if not (streaming and until == "first_token"):
+        expected.discard("first_token")
+    assert outcomes == expected
+
+
+@pytest.mark.parametrize(("streaming", "until"), CONFIGS)
+def test_every_deferred_state_has_a_way_out(streaming: bool, until: DrainUntil) -> None:
+    """From every state of a drain, both the deadline and shutdown close the upstream."""
+    seen = 0
+    for seq, decision in walk(streaming, until):
+        if decision is None or "gone" not in seq:
+            continue
+        m = replay(seq, streaming, until)
+        if not m.deferred:
+            continue
+        seen += 1
+        assert m.deadline is not None
+        ways: list[tuple[Event, Outcome]] = [
+            (Deadline(m.deadline), "timeout"),
+            (Shutdown(m.deadline), "shutdown"),
+        ]
+        for ev, outcome in ways:
+            m2 = copy.copy(m)
+            assert m2.handle(ev) == CloseUpstream(outcome)
+            assert not m2.deferred
+    assert seen > 20
+
+
+def replay(seq: list[str], streaming: bool, until: DrainUntil) -> DrainMachine:
+    m = DrainMachine(streaming, until, TIMEOUT_S)
+    for i, name in enumerate(seq):
+        m.handle(ALPHABET[name](m, float(i)))
+    return m
+
+
+# --- the named scenarios ----------------------------------------------------------------
+
+
+def run(m: DrainMachine, *events: Event) -> list[Decision]:
+    return [m.handle(e) for e in events]
+
+
+def test_disconnect_before_upstream_headers_keeps_reading_until_first_token() -> None:
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=30)
+    got = run(
+        m,
+        ClientGone(1.0),
+        UpstreamHeaders(50.0),
+        UpstreamChunk(51.0, has_token=False),  # role-only delta
+        UpstreamChunk(52.0, has_token=True),
+    )
+    assert got == [KeepReading(), KeepReading(), Discard(), CloseUpstream("first_token")]
+    assert m.disconnect_phase == "before_headers"
+    assert m.outcome == "first_token"
+    assert m.deferred_for(1000.0) == 51.0  # frozen at the close
+    assert m.discarded_token_chunks == 1
+    assert m.discarded_chunks == 2
+    assert m.was_deferred
+
+
+def test_disconnect_during_long_prefill_with_no_bytes_waits_then_times_out() -> None:
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=300)
+    assert run(m, UpstreamHeaders(0.0), ClientGone(10.0)) == [Forward(), KeepReading()]
+    assert m.disconnect_phase == "before_first_token"
+    assert m.deferred
+    assert m.deadline == 310.0
+    assert m.deferred_for(100.0) == 90.0
+    # A timer that fires early is not a timeout; the caller re-arms at `deadline`.
+    assert m.handle(Deadline(309.9)) == KeepReading()
+    assert m.handle(Deadline(310.0)) == CloseUpstream("timeout")
+    assert m.outcome == "timeout"
+    assert m.deadline is None
+    assert m.deferred_for(400.0) == 300.0
+
+
+def test_disconnect_mid_stream_closes_at_once_because_decode_holds_the_kv() -> None:
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=30)
+    got = run(m, UpstreamHeaders(0.0), UpstreamChunk(1.0, True), ClientGone(2.0))
+    assert got == [Forward(), Forward(), CloseUpstream("first_token")]
+    assert m.disconnect_phase == "streaming"
+    assert not m.was_deferred  # nothing was held open, no in-progress gauge to undo
+    assert m.deferred_for(9.0) == 0.0
+
+
+def test_until_completion_discards_every_token_until_eof() -> None:
+    m = DrainMachine(streaming=True, until="completion", timeout_s=30)
+    got = run(
+        m,
+        UpstreamHeaders(0.0),
+        UpstreamChunk(1.0, True),
+        ClientGone(2.0),
+        UpstreamChunk(3.0, True),
+        UpstreamChunk(4.0, True),
+        UpstreamEOF(5.0),
+    )
+    assert got == [Forward(), Forward(), KeepReading(), Discard(), Discard(),
+                   CloseUpstream("completed")]  # fmt: skip
+    assert m.discarded_token_chunks == 2
+    assert m.deferred_for(99.0) == 3.0
+
+
+def test_non_streaming_keeps_upstream_until_the_body_ends() -> None:
+    m = DrainMachine(streaming=False, until="first_token", timeout_s=30)
+    got = run(m, ClientGone(0.5), UpstreamHeaders(20.0), UpstreamChunk(21.0, True),
+              UpstreamEOF(22.0))  # fmt: skip
+    assert got == [KeepReading(), KeepReading(), Discard(), CloseUpstream("completed")]
+    assert m.outcome == "completed"
+
+
+def test_shutdown_during_a_drain_is_counted_shutdown() -> None:
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=300)
+    run(m, ClientGone(0.0))
+    assert m.handle(Shutdown(29.0)) == CloseUpstream("shutdown")
+    assert m.outcome == "shutdown"
+    assert m.deferred_for(1e6) == 29.0
+    assert m.handle(Deadline(400.0)) == NoOp()  # stale timer after the close
+    assert m.handle(Shutdown(401.0)) == NoOp()
+
+
+def test_shutdown_with_client_present_closes_without_a_deferral_outcome() -> None:
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=300)
+    assert run(m, UpstreamHeaders(0.0), Shutdown(1.0)) == [Forward(), CloseUpstream(None)]
+    assert m.outcome is None
+
+
+def test_upstream_error_during_drain() -> None:
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=300)
+    got = run(m, ClientGone(0.0), UpstreamError(3.0))
+    assert got == [KeepReading(), CloseUpstream("upstream_error")]
+
+
+def test_client_present_response_is_forwarded_and_closed_without_outcome() -> None:
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=300)
+    got = run(m, UpstreamHeaders(0), UpstreamChunk(1, True), UpstreamChunk(2), UpstreamEOF(3))
+    assert got == [Forward(), Forward(), Forward(), CloseUpstream(None)]
+    assert m.disconnect_phase is None
+    assert m.outcome is None
+
+
+def test_disconnect_after_upstream_closed_is_a_no_op_with_a_phase() -> None:
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=300)
+    run(m, UpstreamHeaders(0), UpstreamChunk(1, True), UpstreamEOF(2))
+    assert m.handle(ClientGone(3)) == NoOp()
+    assert m.disconnect_phase == "streaming"
+    assert m.outcome is None
+    assert not m.deferred
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        ([UpstreamHeaders(0), UpstreamHeaders(1)], "twice"),
+        ([UpstreamChunk(0)], "before UpstreamHeaders"),
+        ([UpstreamEOF(0)], "before UpstreamHeaders"),
+        ([ClientGone(0), ClientGone(1)], "twice"),
+        ([Deadline(0)], "no drain"),
+        ([UpstreamError(0), UpstreamError(1)], "after the upstream was closed"),
+        ([ClientGone(0), UpstreamError(1), UpstreamHeaders(2)], "outcome upstream_error"),
+    ],
+)
+def test_invalid_transitions_raise_clear_errors(events: list[Event], message: str) -> None:
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=300)
+    *ok, bad = events
+    run(m, *ok)
+    with pytest.raises(DrainProtocolError, match=message):
+        m.handle(bad)
+
+
+def test_constructor_validates() -> None:
+    with pytest.raises(ValueError, match="until"):
+        DrainMachine(True, "never", 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout_s"):
+        DrainMachine(True, "first_token", 0)
