@@ -1,0 +1,275 @@
+"""Probe of one SGLang engine (prefill, decode or unified server).
+
+Reads `/server_info` (falling back to the older `/get_server_info`), and, when they
+answer, `/metrics` and `/v1/models` as cross-checks. Every report of the pool, the context
+and `max_req_input_len` is collected with its field name; the smallest wins:
+
+- pool: top-level `max_total_num_tokens`, each DP rank's
+  `internal_states[i].memory_usage.token_capacity` (or its own `max_total_num_tokens`),
+  the `sglang:max_total_num_tokens` gauge (every rank series), and a smaller sliding-window
+  pool `swa_max_total_num_tokens` when reported;
+- context: `context_length` (the CLI value, often null), `/v1/models` `max_model_len`,
+  the `sglang:context_len` gauge;
+- `max_req_input_len` (top level and per rank).
+
+The arithmetic itself lives in `limits.sglang_limits`.
+
+Must never: derive a limit from a pool without a context (or the engine's own
+`max_req_input_len`), or fail because an optional cross-check endpoint is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from kvproxy.capacity.limits import SGLANG_RESERVED_TOKENS, sglang_limits
+from kvproxy.capacity.measurement import EngineMeasurement, Findings, ProbeError
+from kvproxy.capacity.reports import (
+    HttpStatusError,
+    Reports,
+    fetch_json,
+    fetch_text,
+    object_list,
+    parse_prometheus,
+    token_field,
+)
+from kvproxy.config import EngineSpec
+
+GAUGE_POOL = "sglang:max_total_num_tokens"
+GAUGE_CONTEXT = "sglang:context_len"
+GAUGE_PAGE = "sglang:page_size"
+_GAUGES = (GAUGE_POOL, GAUGE_CONTEXT, GAUGE_PAGE)
+
+# disaggregation_mode as SGLang reports it -> our role name.
+_MODE_ROLE = {"prefill": "prefill", "decode": "decode", "null": "unified"}
+
+
+def _gauge_reports(metrics_text: str | None, reports: Mapping[str, Reports]) -> list[str]:
+    """Add every series of the three gauges to `reports`; return notes on bad series."""
+    if metrics_text is None:
+        return []
+    notes: list[str] = []
+    try:
+        samples = parse_prometheus(metrics_text, _GAUGES)
+    except ProbeError as exc:
+        return [f"/metrics ignored: {exc.message}"]
+    for name, series in samples.items():
+        for labels, value in series:
+            if value != value or value < 1 or value != int(value):
+                notes.append(f"/metrics {name} = {value!r} ignored")
+                continue
+            rank = ",".join(f"{k}={labels[k]}" for k in ("dp_rank", "tp_rank") if k in labels)
+            src = f"metrics.{name}" + (f"{{{rank}}}" if rank else "")
+            reports[name].add(int(value), src)
+    return notes
+
+
+def _models_context(models: Mapping[str, Any] | None, reports: Reports) -> list[str]:
+    if models is None:
+        return []
+    try:
+        for i, entry in enumerate(object_list(models, "data", "/v1/models data")):
+            reports.add(
+                token_field(entry, "max_model_len", f"/v1/models data[{i}].max_model_len"),
+                f"v1_models.data[{i}].max_model_len",
+            )
+    except ProbeError as exc:
+        # A cross-check that is malformed is left out, never trusted in part.
+        return [f"/v1/models ignored: {exc.message}"]
+    return []
+
+
+def measure_sglang(
+    spec: EngineSpec,
+    server_info: Mapping[str, Any],
+    *,
+    info_path: str = "server_info",
+    metrics_text: str | None = None,
+    models: Mapping[str, Any] | None = None,
+    measured_at: float | None = None,
+    notes: list[str] | None = None,
+) -> EngineMeasurement:
+    """Pure: recorded responses in, one measurement out (or ProbeError)."""
+    found = Findings(notes=list(notes or []))
+    p = info_path
+    pool = Reports("KV pool")
+    swa = Reports("sliding-window pool")
+    context = Reports("context length")
+    mril = Reports("max_req_input_len")
+    page = Reports("page size")
+
+    pool.add(token_field(server_info, "max_total_num_tokens", f"{p}.max_total_num_tokens"),
+             f"{p}.max_total_num_tokens")  # fmt: skip
+    swa.add(token_field(server_info, "swa_max_total_num_tokens", f"{p}.swa_max_total_num_tokens"),
+            f"{p}.swa_max_total_num_tokens")  # fmt: skip
+    context.add(token_field(server_info, "context_length", f"{p}.context_length"),
+                f"{p}.context_length")  # fmt: skip
+    mril.add(token_field(server_info, "max_req_input_len", f"{p}.max_req_input_len"),
+             f"{p}.max_req_input_len")  # fmt: skip
+    page.add(token_field(server_info, "page_size", f"{p}.page_size"), f"{p}.page_size")
+
+    rank_pools: list[int] = []
+    for i, rank in enumerate(object_list(server_info, "internal_states", f"{p}.internal_states")):
+        where = f"{p}.internal_states[{i}]"
+        usage = rank.get("memory_usage")
+        cap = None
+        if isinstance(usage, dict):
+            cap = token_field(usage, "token_capacity", f"{where}.memory_usage.token_capacity")
+            pool.add(cap, f"{where}.memory_usage.token_capacity")
+        elif usage is not None:
+            raise ProbeError("bad_type", f"{where}.memory_usage is {type(usage).__name__}")
+        own = token_field(rank, "max_total_num_tokens", f"{where}.max_total_num_tokens")
+        pool.add(own, f"{where}.max_total_num_tokens")
+        if cap is not None or own is not None:
+            rank_pools.append(min(v for v in (cap, own) if v is not None))
+        swa.add(token_field(rank, "swa_max_total_num_tokens", f"{where}.swa_max_total_num_tokens"),
+                f"{where}.swa_max_total_num_tokens")  # fmt: skip
+        mril.add(token_field(rank, "max_req_input_len", f"{where}.max_req_input_len"),
+                 f"{where}.max_req_input_len")  # fmt: skip
+
+    gauges = {GAUGE_POOL: pool, GAUGE_CONTEXT: context, GAUGE_PAGE: page}
+    found.notes.extend(_gauge_reports(metrics_text, gauges))
+    found.notes.extend(_models_context(models, context))
+
+    if not pool:
+        raise ProbeError(
+            "missing_field",
+            f"no KV pool size: {p} has no max_total_num_tokens or "
+            "internal_states[].memory_usage.token_capacity, and /metrics has no "
+            f"{GAUGE_POOL}",
+        )
+    if len(set(rank_pools)) > 1:
+        found.warn("dp_ranks_differ", f"DP ranks report pools {rank_pools}; the smallest binds")
+    # Differing DP ranks already explain a pool disagreement; do not warn twice.
+    checked = (context, mril) if len(set(rank_pools)) > 1 else (pool, context, mril)
+    for reports in checked:
+        msg = reports.disagreement()
+        if msg is not None:
+            found.warn("fields_disagree", msg)
+
+    pool_tokens, pool_source = pool.smallest()
+    if swa:
+        swa_tokens, swa_source = swa.smallest()
+        if swa_tokens < pool_tokens:
+            # Conservative: a long prompt also needs sliding-window slots while it is
+            # prefilled, and SGLang does not report how many it frees per chunk.
+            found.warn(
+                "swa_pool_binds", f"sliding-window pool {swa_tokens:,} < full pool {pool_tokens:,}"
+            )
+            pool_tokens, pool_source = swa_tokens, swa_source
+    page_size, page_source = page.smallest() if page else (None, None)
+    if page_size is not None and page_size > 1 and pool_tokens % page_size:
+        # Pages are allocated whole: only complete pages hold a request.
+        pool_tokens -= pool_tokens % page_size
+        found.note(f"pool rounded down to whole pages of {page_size}")
+
+    context_tokens, context_source = context.smallest() if context else (None, None)
+    mril_value, mril_source = mril.smallest() if mril else (None, None)
+    if context_tokens is None and mril_value is None:
+        raise ProbeError(
+            "missing_field",
+            f"no context length: {p}.context_length is null, max_req_input_len is absent, "
+            f"and neither /v1/models max_model_len nor {GAUGE_CONTEXT} answered",
+        )
+    if mril_value is not None and mril_value <= 1:
+        raise ProbeError("bad_value", f"{mril_source} = {mril_value} admits no prompt")
+    limits = sglang_limits(
+        pool_tokens=pool_tokens, context_tokens=context_tokens, max_req_input_len=mril_value
+    )
+    if limits.input_limit_tokens < 1:
+        raise ProbeError(
+            "bad_value",
+            f"pool {pool_tokens:,} / context {context_tokens} leave no room for a prompt "
+            f"(SGLang reserves {SGLANG_RESERVED_TOKENS})",
+        )
+    if limits.from_reported:
+        input_source = str(mril_source)
+    elif limits.bound_by == "pool":
+        input_source = pool_source
+    else:
+        input_source = str(context_source)
+
+    if context_tokens is not None and context_tokens > pool_tokens:
+        found.warn(
+            "context_exceeds_pool",
+            f"context length {context_tokens:,} exceeds the KV pool {pool_tokens:,}: "
+            f"prompts above {limits.input_limit_tokens:,} tokens do not fit",
+        )
+    if server_info.get("allow_auto_truncate") is True:
+        found.warn("allow_auto_truncate", "the engine silently cuts prompts that are too long")
+    mode = server_info.get("disaggregation_mode")
+    if isinstance(mode, str) and _MODE_ROLE.get(mode, spec.role) != spec.role:
+        found.note(f"configured role {spec.role} but the engine reports mode {mode!r}")
+
+    return EngineMeasurement(
+        engine=spec.label,
+        url=spec.url,
+        role=spec.role,
+        kind="sglang",
+        input_limit_tokens=limits.input_limit_tokens,
+        input_limit_source=input_source,
+        pool_tokens=pool_tokens,
+        pool_source=pool_source,
+        bound_by=limits.bound_by,
+        measured_at=time.time() if measured_at is None else measured_at,
+        page_size=page_size,
+        page_size_source=page_source,
+        context_length=context_tokens,
+        context_source=context_source,
+        decode_limit_tokens=limits.decode_limit_tokens,
+        decode_limit_source=f"min(context, pool) - {SGLANG_RESERVED_TOKENS} via {input_source}",
+        warnings=tuple(found.warnings),
+        notes=tuple(found.notes),
+    )
+
+
+async def _server_info(
+    session: aiohttp.ClientSession, base: str, timeout_s: float
+) -> tuple[str, dict[str, Any]]:
+    try:
+        return "server_info", await fetch_json(session, f"{base}/server_info", timeout_s)
+    except HttpStatusError as exc:
+        # Builds before /server_info only answer the deprecated name.
+        if exc.status not in (404, 405):
+            raise
+    return "get_server_info", await fetch_json(session, f"{base}/get_server_info", timeout_s)
+
+
+async def _optional(coro: Any, what: str, notes: list[str]) -> Any:
+    try:
+        return await coro
+    except ProbeError as exc:
+        notes.append(f"{what} unavailable ({exc})")
+        return None
+
+
+async def probe_sglang(
+    session: aiohttp.ClientSession, spec: EngineSpec, timeout_s: float
+) -> EngineMeasurement:
+    base = spec.url.rstrip("/")
+    notes: list[str] = []
+    # The cross-checks run alongside /server_info and never fail the probe; they get
+    # half the budget so that a hanging /metrics cannot time the whole probe out.
+    optional_s = timeout_s / 2
+    metrics = asyncio.ensure_future(
+        _optional(fetch_text(session, f"{base}/metrics", optional_s), "/metrics", notes)
+    )
+    models = asyncio.ensure_future(
+        _optional(fetch_json(session, f"{base}/v1/models", optional_s), "/v1/models", notes)
+    )
+    try:
+        path, info = await _server_info(session, base, timeout_s)
+        metrics_text, models_json = await asyncio.gather(metrics, models)
+    finally:
+        for task in (metrics, models):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(metrics, models, return_exceptions=True)
+    return measure_sglang(
+        spec, info, info_path=path, metrics_text=metrics_text, models=models_json, notes=notes
+    )

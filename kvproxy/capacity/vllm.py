@@ -1,0 +1,146 @@
+"""Probe of one vLLM engine.
+
+The pool comes from the `vllm:cache_config_info` info gauge on `/metrics` (one series per
+DP engine; the smallest wins): `kv_cache_size_tokens` when the build exports it, else
+`num_gpu_blocks x block_size`. The second is flagged `pool_from_blocks`: on hybrid models
+`block_size` is a minimum over cache groups, so the product can overstate the pool. The
+context is `/v1/models` `data[].max_model_len`. Both endpoints are required.
+
+The arithmetic lives in `limits.vllm_limits`.
+
+Must never: read "None" label values as numbers, or admit without max_model_len.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from kvproxy.capacity.limits import vllm_limits
+from kvproxy.capacity.measurement import EngineMeasurement, Findings, ProbeError
+from kvproxy.capacity.reports import (
+    Reports,
+    fetch_json,
+    fetch_text,
+    label_token_count,
+    looks_like_prometheus,
+    object_list,
+    parse_prometheus,
+    token_field,
+)
+from kvproxy.config import EngineSpec
+
+CACHE_INFO = "vllm:cache_config_info"
+
+
+def measure_vllm(
+    spec: EngineSpec,
+    metrics_text: str,
+    models: Mapping[str, Any],
+    *,
+    measured_at: float | None = None,
+) -> EngineMeasurement:
+    """Pure: recorded `/metrics` text and `/v1/models` JSON in, one measurement out."""
+    found = Findings()
+    series = parse_prometheus(metrics_text, (CACHE_INFO,))[CACHE_INFO]
+    if not series:
+        if not looks_like_prometheus(metrics_text):
+            raise ProbeError("not_metrics", "/metrics is not Prometheus text")
+        raise ProbeError("missing_field", f"/metrics has no {CACHE_INFO} series")
+
+    pool = Reports("KV pool")
+    blocks_used = False
+    block_sizes: list[int] = []
+    for labels in (labels for labels, _ in series):
+        engine = labels.get("engine")
+        tag = f"{{engine={engine}}}" if engine is not None else ""
+        where = f"metrics.{CACHE_INFO}{tag}"
+        block_size = label_token_count(labels, "block_size", f"{where}.block_size")
+        if block_size is not None:
+            block_sizes.append(block_size)
+        tokens = label_token_count(labels, "kv_cache_size_tokens", f"{where}.kv_cache_size_tokens")
+        if tokens is not None:
+            pool.add(tokens, f"{where}.kv_cache_size_tokens")
+            continue
+        blocks = label_token_count(labels, "num_gpu_blocks", f"{where}.num_gpu_blocks")
+        if blocks is None or block_size is None:
+            raise ProbeError(
+                "missing_field",
+                f"{where} has neither kv_cache_size_tokens nor num_gpu_blocks and block_size",
+            )
+        blocks_used = True
+        pool.add(blocks * block_size, f"{where}.num_gpu_blocks*block_size")
+
+    if blocks_used:
+        found.warn(
+            "pool_from_blocks",
+            "pool = num_gpu_blocks x block_size (this vLLM build does not export "
+            "kv_cache_size_tokens); on hybrid models this can overstate the pool",
+        )
+    dp_msg = pool.disagreement()
+    if dp_msg is not None:
+        found.warn("dp_ranks_differ", dp_msg)
+
+    context = Reports("context length")
+    for i, entry in enumerate(object_list(models, "data", "/v1/models data")):
+        context.add(
+            token_field(entry, "max_model_len", f"/v1/models data[{i}].max_model_len"),
+            f"v1_models.data[{i}].max_model_len",
+        )
+    if not context:
+        raise ProbeError("missing_field", "/v1/models has no data[].max_model_len")
+    context_msg = context.disagreement()
+    if context_msg is not None:
+        found.warn("fields_disagree", context_msg)
+
+    pool_tokens, pool_source = pool.smallest()
+    max_model_len, context_source = context.smallest()
+    limits = vllm_limits(pool_tokens=pool_tokens, max_model_len=max_model_len)
+    if limits.input_limit_tokens < 1:
+        raise ProbeError("bad_value", f"max_model_len {max_model_len} leaves no room for a prompt")
+    if max_model_len > pool_tokens:
+        found.warn(
+            "context_exceeds_pool",
+            f"max_model_len {max_model_len:,} exceeds the KV pool {pool_tokens:,}",
+        )
+    input_source = pool_source if limits.bound_by == "pool" else context_source
+    return EngineMeasurement(
+        engine=spec.label,
+        url=spec.url,
+        role=spec.role,
+        kind="vllm",
+        input_limit_tokens=limits.input_limit_tokens,
+        input_limit_source=f"min(max_model_len, pool) - 1 via {input_source}",
+        pool_tokens=pool_tokens,
+        pool_source=pool_source,
+        bound_by=limits.bound_by,
+        measured_at=time.time() if measured_at is None else measured_at,
+        page_size=min(block_sizes) if block_sizes else None,
+        page_size_source=f"metrics.{CACHE_INFO}.block_size" if block_sizes else None,
+        context_length=max_model_len,
+        context_source=context_source,
+        decode_limit_tokens=limits.decode_limit_tokens,
+        decode_limit_source=f"min(max_model_len, pool) via {input_source}",
+        warnings=tuple(found.warnings),
+        notes=tuple(found.notes),
+    )
+
+
+async def probe_vllm(
+    session: aiohttp.ClientSession, spec: EngineSpec, timeout_s: float
+) -> EngineMeasurement:
+    base = spec.url.rstrip("/")
+    metrics = asyncio.ensure_future(fetch_text(session, f"{base}/metrics", timeout_s))
+    models = asyncio.ensure_future(fetch_json(session, f"{base}/v1/models", timeout_s))
+    try:
+        metrics_text, models_json = await asyncio.gather(metrics, models)
+    finally:
+        for task in (metrics, models):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(metrics, models, return_exceptions=True)
+    return measure_vllm(spec, metrics_text, models_json)

@@ -1,0 +1,250 @@
+"""The limit arithmetic and `derive_limits`, without sockets.
+
+The SGLang acceptance rule is restated here from the facts file (refuse when
+len >= max_req_input_len) and checked against `sglang_limits`, so the test does not
+re-use the code it judges.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvproxy.capacity import (
+    EngineMeasurement,
+    derive_limits,
+    sglang_limits,
+    static_limits,
+    vllm_limits,
+)
+
+
+def sglang_accepts(prompt_len: int, *, pool: int, context: int) -> bool:
+    max_req_len = min(context - 1, pool - 1)
+    max_req_input_len = max_req_len - 5
+    return prompt_len < max_req_input_len
+
+
+def m(
+    engine: str,
+    role: str,
+    limit: int,
+    *,
+    kind: str = "sglang",
+    pool: int | None = None,
+    context: int | None = None,
+    decode: int | None = None,
+    bound_by: str = "pool",
+) -> EngineMeasurement:
+    return EngineMeasurement(
+        engine=engine,
+        url=f"http://{engine}",
+        role=role,  # type: ignore[arg-type]
+        kind=kind,  # type: ignore[arg-type]
+        input_limit_tokens=limit,
+        input_limit_source="test",
+        pool_tokens=pool if pool is not None else limit + 7,
+        pool_source="server_info.max_total_num_tokens",
+        bound_by="declared" if kind == "static" else bound_by,  # type: ignore[arg-type]
+        measured_at=0.0,
+        context_length=context,
+        decode_limit_tokens=decode if decode is not None else limit,
+    )
+
+
+# --- per-engine arithmetic ---------------------------------------------------------------
+
+
+def test_sglang_issue_numbers() -> None:
+    # The issue's acceptance numbers: pool 5,322 / context 8,192 -> 5,315 (reported 5,316).
+    got = sglang_limits(pool_tokens=5322, context_tokens=8192, max_req_input_len=None)
+    assert (got.input_limit_tokens, got.bound_by) == (5315, "pool")
+    got = sglang_limits(pool_tokens=5322, context_tokens=None, max_req_input_len=5316)
+    assert (got.input_limit_tokens, got.from_reported) == (5315, True)
+    # The incident's pool.
+    got = sglang_limits(pool_tokens=681_280, context_tokens=1_048_576, max_req_input_len=681_274)
+    assert got.input_limit_tokens == 681_273
+    assert got.decode_limit_tokens == 681_273
+
+
+def test_sglang_context_binds() -> None:
+    got = sglang_limits(pool_tokens=163_642, context_tokens=131_072, max_req_input_len=None)
+    assert (got.input_limit_tokens, got.bound_by) == (131_065, "context")
+
+
+def test_sglang_pool_bounds_a_larger_reported_value() -> None:
+    # max_req_input_len is rank 0's; a smaller pool elsewhere must still bind.
+    got = sglang_limits(pool_tokens=679_936, context_tokens=None, max_req_input_len=681_274)
+    assert got.input_limit_tokens == 679_929
+    assert not got.from_reported
+
+
+def test_sglang_needs_context_or_reported_limit() -> None:
+    with pytest.raises(ValueError, match="context"):
+        sglang_limits(pool_tokens=5322, context_tokens=None, max_req_input_len=None)
+
+
+@given(pool=st.integers(8, 4_000_000), context=st.integers(8, 4_000_000))
+def test_sglang_limit_is_exactly_the_largest_accepted_prompt(pool: int, context: int) -> None:
+    limit = sglang_limits(pool_tokens=pool, context_tokens=context, max_req_input_len=None)
+    n = limit.input_limit_tokens
+    if n >= 1:
+        assert sglang_accepts(n, pool=pool, context=context)
+    assert not sglang_accepts(n + 1, pool=pool, context=context)
+    # And the engine's own report gives the same answer.
+    reported = min(context - 1, pool - 1) - 5
+    same = sglang_limits(pool_tokens=pool, context_tokens=None, max_req_input_len=reported)
+    assert same.input_limit_tokens == n
+
+
+def test_vllm_limits() -> None:
+    got = vllm_limits(pool_tokens=2_042_016, max_model_len=40_960)
+    assert (got.input_limit_tokens, got.decode_limit_tokens, got.bound_by) == (
+        40_959,
+        40_960,
+        "context",
+    )
+    got = vllm_limits(pool_tokens=1000, max_model_len=4096)
+    assert (got.input_limit_tokens, got.decode_limit_tokens, got.bound_by) == (999, 1000, "pool")
+
+
+def test_static_limits() -> None:
+    got = static_limits(100_000)
+    assert (got.input_limit_tokens, got.decode_limit_tokens, got.bound_by) == (
+        100_000,
+        100_000,
+        "declared",
+    )
+
+
+# --- derive_limits -----------------------------------------------------------------------
+
+
+def test_measured_pool_binds_below_declared_context() -> None:
+    ms = [
+        m("p:1", "prefill", 5315, pool=5322, context=8192),
+        m("d:2", "decode", 40_000, pool=40_007, context=8192, decode=8185),
+    ]
+    lim = derive_limits(ms, max_context=8192)
+    assert lim.known
+    assert lim.admission_limit_tokens == 5315
+    assert lim.source == "measured"
+    assert lim.binding_engine == "p:1"
+    assert lim.why == "measured prefill KV pool of p:1"
+    assert lim.decode_limit_tokens == 8185
+    assert lim.decode_binding_engine == "d:2"
+    assert lim.measured_limit_tokens == 5315
+    assert lim.declared_context == 8192
+    # The incident's misconfiguration is named with both numbers.
+    assert len(lim.warnings) == 1
+    assert "8,192" in lim.warnings[0]
+    assert "5,315" in lim.warnings[0]
+
+
+def test_healthy_declared_context_gives_no_warning() -> None:
+    # Engine context = declared context, big pool: the 7-token reserve is not a warning.
+    ms = [m("p:1", "prefill", 8185, pool=100_000, context=8192, bound_by="context")]
+    lim = derive_limits(ms, max_context=8192)
+    assert lim.admission_limit_tokens == 8185
+    assert lim.warnings == ()
+
+
+def test_declared_context_below_measured_binds_and_stays_measured() -> None:
+    ms = [m("p:1", "prefill", 681_273, pool=681_280)]
+    lim = derive_limits(ms, max_context=131_072)
+    assert lim.admission_limit_tokens == 131_072
+    assert lim.binding_engine is None
+    assert "KVPROXY_MAX_CONTEXT" in lim.why
+    # A measured engine contributed, so the limit is backed by measurement.
+    assert lim.source == "measured"
+
+
+def test_minimum_over_prefill_and_unified_not_decode() -> None:
+    ms = [
+        m("p:1", "prefill", 9000),
+        m("u:2", "unified", 7000, decode=7000),
+        m("d:3", "decode", 100, decode=100),
+    ]
+    lim = derive_limits(ms, max_context=None)
+    assert lim.admission_limit_tokens == 7000
+    assert lim.binding_engine == "u:2"
+    assert lim.decode_limit_tokens == 100
+    assert lim.decode_binding_engine == "d:3"
+
+
+def test_only_declared_values_are_labelled_declared() -> None:
+    ms = [m("s:1", "prefill", 100_000, kind="static")]
+    lim = derive_limits(ms, max_context=None)
+    assert (lim.admission_limit_tokens, lim.source) == (100_000, "declared")
+    assert lim.why == "declared prefill capacity of s:1"
+    lim = derive_limits([], max_context=4096)
+    assert (lim.known, lim.admission_limit_tokens, lim.source) == (True, 4096, "declared")
+    assert lim.decode_limit_tokens is None
+
+
+def test_nothing_configured_is_unknown() -> None:
+    lim = derive_limits([], max_context=None)
+    assert not lim.known
+    assert lim.admission_limit_tokens is None
+
+
+def test_unknown_engine_fails_closed() -> None:
+    ms = [m("p:1", "prefill", 5315)]
+    lim = derive_limits(ms, max_context=8192, unknown={"d:2": "decode"})
+    assert not lim.known
+    assert lim.admission_limit_tokens is None
+    assert lim.decode_limit_tokens is None
+    assert lim.unknown_engines == ("d:2",)
+    assert "d:2" in lim.why
+
+
+def test_fallback_stands_in_for_unknown_engines_declared() -> None:
+    ms = [m("p:1", "prefill", 5315)]
+    lim = derive_limits(
+        ms, max_context=None, unknown={"p:2": "prefill"}, fallback_limit_tokens=4000
+    )
+    assert lim.known
+    assert lim.fallback_used
+    assert (lim.admission_limit_tokens, lim.source) == (4000, "declared")
+    assert "FALLBACK" in lim.why
+    # Larger fallback: the measured engine still binds, yet the limit is not fully
+    # measured while an engine is unknown.
+    lim = derive_limits(
+        ms, max_context=None, unknown={"p:2": "prefill"}, fallback_limit_tokens=10**6
+    )
+    assert (lim.admission_limit_tokens, lim.source) == (5315, "declared")
+
+
+def test_margin_is_subtracted_and_named() -> None:
+    ms = [m("p:1", "prefill", 5315), m("d:2", "decode", 9000, decode=9000)]
+    lim = derive_limits(ms, max_context=None, margin_tokens=315)
+    assert lim.admission_limit_tokens == 5000
+    assert lim.decode_limit_tokens == 8685
+    assert "315-token safety margin" in lim.why
+    lim = derive_limits(ms, max_context=None, margin_tokens=10**6)
+    assert lim.admission_limit_tokens == 0
+
+
+@given(
+    limits=st.lists(st.integers(1, 10**7), min_size=1, max_size=6),
+    roles=st.lists(st.sampled_from(["prefill", "decode", "unified"]), min_size=6, max_size=6),
+    declared=st.none() | st.integers(1, 10**7),
+    margin=st.integers(0, 1000),
+)
+def test_admission_never_exceeds_any_contribution(
+    limits: list[int], roles: list[str], declared: int | None, margin: int
+) -> None:
+    ms = [m(f"e{i}:1", roles[i], v) for i, v in enumerate(limits)]
+    lim = derive_limits(ms, max_context=declared, margin_tokens=margin)
+    admitting = [x.input_limit_tokens for x in ms if x.role != "decode"]
+    if declared is not None:
+        admitting.append(declared)
+    if not admitting:
+        assert not lim.known
+        return
+    assert lim.known
+    assert lim.admission_limit_tokens == max(0, min(admitting) - margin)
+    decoding = [x.decode_limit_tokens for x in ms if x.role != "prefill"]
+    if decoding:
+        assert lim.decode_limit_tokens == max(0, min(d for d in decoding if d) - margin)

@@ -1,0 +1,283 @@
+"""Probes against recorded response shapes of several SGLang and vLLM versions.
+
+Pure parsing (`measure_sglang`, `measure_vllm`, `measure_static`): no sockets. Each
+fixture file under fixtures/ is one engine version's answer; the expected numbers are
+worked out by hand in the comments.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from capacity_fakes import load_json, load_text
+
+from kvproxy.capacity import (
+    EngineMeasurement,
+    ProbeError,
+    measure_sglang,
+    measure_static,
+    measure_vllm,
+)
+from kvproxy.capacity.reports import parse_prometheus
+from kvproxy.config import EngineSpec
+
+PREFILL = EngineSpec(url="http://10.0.0.1:30001", role="prefill", kind="sglang")
+DECODE = EngineSpec(url="http://10.0.0.2:30002", role="decode", kind="sglang")
+UNIFIED = EngineSpec(url="http://10.0.0.3:30000", role="unified", kind="sglang")
+VLLM = EngineSpec(url="http://10.0.0.4:8000", role="unified", kind="vllm")
+
+
+def models(max_model_len: Any) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": "m", "object": "model", "max_model_len": max_model_len}],
+    }
+
+
+def reason_of(exc: pytest.ExceptionInfo[ProbeError]) -> str:
+    return exc.value.reason
+
+
+# --- SGLang ------------------------------------------------------------------------------
+
+
+def test_sglang_05_prefill_with_metrics_and_models() -> None:
+    got = measure_sglang(
+        PREFILL,
+        load_json("sglang_0.5_prefill_server_info.json"),
+        metrics_text=load_text("sglang_0.5_prefill_metrics.prom"),
+        models=models(1_048_576),
+    )
+    # max_req_input_len 681,274 -> 681,273 = min(1,048,576, 681,280) - 7: the incident pool.
+    assert got.input_limit_tokens == 681_273
+    assert got.input_limit_source == "server_info.max_req_input_len"
+    assert (got.pool_tokens, got.pool_source) == (681_280, "server_info.max_total_num_tokens")
+    assert got.context_length == 1_048_576
+    assert got.context_source is not None
+    assert got.context_source.startswith("metrics.sglang:context_len")
+    assert (got.page_size, got.page_size_source) == (64, "server_info.page_size")
+    assert got.decode_limit_tokens == 681_273
+    assert got.bound_by == "pool"
+    assert got.source == "measured"
+    # The engine itself is configured with a context larger than its pool.
+    assert got.warnings == ("context_exceeds_pool",)
+    assert "1,048,576" in got.warning_note("context_exceeds_pool")
+    assert got.limit_phrase() == "measured prefill KV pool of 10.0.0.1:30001"
+
+
+def test_sglang_05_context_null_and_no_cross_checks() -> None:
+    # context_length null, /metrics and /v1/models unavailable: max_req_input_len decides.
+    got = measure_sglang(PREFILL, load_json("sglang_0.5_prefill_server_info.json"))
+    assert got.input_limit_tokens == 681_273
+    assert got.context_length is None
+    assert got.warnings == ()
+
+
+def test_sglang_dp_ranks_take_the_smallest() -> None:
+    got = measure_sglang(PREFILL, load_json("sglang_0.5_dp4_server_info.json"))
+    # Rank 2 holds 679,936 tokens; the top-level max_req_input_len is rank 0's (681,274).
+    assert got.pool_tokens == 679_936
+    assert got.pool_source == "server_info.internal_states[2].memory_usage.token_capacity"
+    assert got.input_limit_tokens == 679_929
+    assert got.input_limit_source == got.pool_source
+    assert "dp_ranks_differ" in got.warnings
+    assert "fields_disagree" not in got.warnings
+
+
+def test_sglang_04_get_server_info_without_pool_gauge() -> None:
+    got = measure_sglang(
+        UNIFIED,
+        load_json("sglang_0.4_get_server_info.json"),
+        info_path="get_server_info",
+        metrics_text=load_text("sglang_0.4_metrics_no_pool_gauge.prom"),
+        # Old /v1/models entries carry no max_model_len.
+        models={"object": "list", "data": [{"id": "meta-llama/Llama-3.1-8B-Instruct"}]},
+    )
+    # 131,066 - 1: the context (131,072) binds below the pool (163,642).
+    assert got.input_limit_tokens == 131_065
+    assert got.input_limit_source == "get_server_info.max_req_input_len"
+    assert got.pool_tokens == 163_642
+    assert got.bound_by == "context"
+    assert got.limit_phrase() == "measured unified context length of 10.0.0.3:30000"
+    assert got.warnings == ()
+
+
+def test_sglang_decode_without_max_req_input_len_uses_metrics_context() -> None:
+    info = load_json("sglang_0.5_decode_no_mril_server_info.json")
+    got = measure_sglang(DECODE, info, metrics_text=load_text("sglang_0.5_decode_metrics.prom"))
+    # min(1,048,576, 2,618,868) - 7
+    assert got.input_limit_tokens == 1_048_569
+    assert got.decode_limit_tokens == 1_048_569
+    assert got.bound_by == "context"
+    assert got.input_limit_source.startswith("metrics.sglang:context_len")
+
+
+def test_sglang_without_any_context_fails_rather_than_guess() -> None:
+    info = load_json("sglang_0.5_decode_no_mril_server_info.json")
+    with pytest.raises(ProbeError) as exc:
+        measure_sglang(
+            DECODE, info, metrics_text=load_text("sglang_0.4_metrics_no_pool_gauge.prom")
+        )
+    assert reason_of(exc) == "missing_field"
+    assert "context" in exc.value.message
+
+
+def test_sglang_swa_pool_and_auto_truncate() -> None:
+    got = measure_sglang(UNIFIED, load_json("sglang_0.5_swa_autotrunc_server_info.json"))
+    assert got.pool_tokens == 960_000
+    assert got.pool_source == "server_info.swa_max_total_num_tokens"
+    assert got.input_limit_tokens == 131_065
+    assert set(got.warnings) == {"swa_pool_binds", "allow_auto_truncate"}
+    assert "silently" in got.warning_note("allow_auto_truncate")
+
+
+def test_sglang_smaller_metrics_gauge_wins_and_is_flagged() -> None:
+    metrics = load_text("sglang_0.5_prefill_metrics.prom").replace("} 681280.0", "} 600000.0")
+    got = measure_sglang(
+        PREFILL, load_json("sglang_0.5_prefill_server_info.json"), metrics_text=metrics
+    )
+    assert got.pool_tokens == 600_000
+    assert got.pool_source.startswith("metrics.sglang:max_total_num_tokens")
+    assert got.input_limit_tokens == 599_993
+    assert "fields_disagree" in got.warnings
+
+
+@pytest.mark.parametrize(
+    "metrics_text",
+    [
+        "<html><body>metrics disabled</body></html>",
+        'sglang:max_total_num_tokens{tp_rank="0" 12',  # unterminated labels
+        "sglang:max_total_num_tokens NaN\nsglang:context_len -1\n",
+        "\x00\x01binary",
+    ],
+)
+def test_sglang_bad_metrics_are_ignored_not_trusted(metrics_text: str) -> None:
+    got = measure_sglang(
+        PREFILL, load_json("sglang_0.5_prefill_server_info.json"), metrics_text=metrics_text
+    )
+    assert got.input_limit_tokens == 681_273
+
+
+def test_sglang_page_rounding() -> None:
+    info = {"max_total_num_tokens": 1000, "page_size": 64, "context_length": 8192}
+    got = measure_sglang(UNIFIED, info)
+    # 15 whole pages = 960 tokens; 960 - 7.
+    assert (got.pool_tokens, got.input_limit_tokens) == (960, 953)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda i: i.__setitem__("max_total_num_tokens", "681280"), "bad_type"),
+        (lambda i: i.__setitem__("max_total_num_tokens", True), "bad_type"),
+        (lambda i: i.__setitem__("max_total_num_tokens", 681280.0), "bad_type"),
+        (lambda i: i.__setitem__("max_total_num_tokens", 0), "bad_value"),
+        (lambda i: i.__setitem__("max_req_input_len", -5), "bad_value"),
+        (lambda i: i.__setitem__("max_req_input_len", 1), "bad_value"),
+        (lambda i: i.__setitem__("internal_states", "rank0"), "bad_type"),
+        (lambda i: i.__setitem__("internal_states", [1, 2]), "bad_type"),
+        (lambda i: i["internal_states"][0].__setitem__("memory_usage", [1]), "bad_type"),
+        (
+            lambda i: (i.pop("max_total_num_tokens"), i["internal_states"][0].pop("memory_usage")),
+            "missing_field",
+        ),
+    ],
+)
+def test_sglang_wrong_shapes_fail_with_a_reason(mutate: Any, reason: str) -> None:
+    info = copy.deepcopy(load_json("sglang_0.5_prefill_server_info.json"))
+    mutate(info)
+    with pytest.raises(ProbeError) as exc:
+        measure_sglang(PREFILL, info)
+    assert reason_of(exc) == reason
+
+
+def test_sglang_role_mismatch_is_noted() -> None:
+    got = measure_sglang(DECODE, load_json("sglang_0.5_prefill_server_info.json"))
+    assert any("reports mode 'prefill'" in n for n in got.notes)
+
+
+# --- vLLM --------------------------------------------------------------------------------
+
+
+def test_vllm_011_kv_cache_size_tokens_binds() -> None:
+    got = measure_vllm(VLLM, load_text("vllm_0.11_metrics.prom"), models(2_097_152))
+    assert got.pool_tokens == 2_042_016
+    assert got.pool_source == "metrics.vllm:cache_config_info{engine=0}.kv_cache_size_tokens"
+    assert got.input_limit_tokens == 2_042_015
+    assert got.decode_limit_tokens == 2_042_016
+    assert "kv_cache_size_tokens" in got.input_limit_source
+    assert got.page_size == 16
+    assert got.bound_by == "pool"
+    assert "pool_from_blocks" not in got.warnings
+
+
+def test_vllm_context_binds() -> None:
+    got = measure_vllm(VLLM, load_text("vllm_0.11_metrics.prom"), models(40_960))
+    assert (got.input_limit_tokens, got.decode_limit_tokens) == (40_959, 40_960)
+    assert got.bound_by == "context"
+    assert got.context_source == "v1_models.data[0].max_model_len"
+
+
+def test_vllm_08_blocks_times_block_size_is_flagged() -> None:
+    got = measure_vllm(VLLM, load_text("vllm_0.8_metrics_blocks_only.prom"), models(8192))
+    assert got.pool_tokens == 573 * 16
+    assert got.pool_source.endswith("num_gpu_blocks*block_size")
+    assert got.input_limit_tokens == 8191
+    assert got.warnings == ("pool_from_blocks",)
+    assert "hybrid" in got.warning_note("pool_from_blocks")
+
+
+def test_vllm_dp_engines_take_the_smallest() -> None:
+    got = measure_vllm(VLLM, load_text("vllm_0.10_dp2_metrics.prom"), models(2_000_000))
+    assert got.pool_tokens == 1_040_384
+    assert got.pool_source == "metrics.vllm:cache_config_info{engine=1}.kv_cache_size_tokens"
+    assert "dp_ranks_differ" in got.warnings
+
+
+@pytest.mark.parametrize(
+    ("metrics_text", "model_list", "reason"),
+    [
+        (load_text("vllm_metrics_blocks_none.prom"), models(8192), "missing_field"),
+        ("vllm:num_requests_running 0\n", models(8192), "missing_field"),
+        ("<!doctype html><title>500</title>", models(8192), "not_metrics"),
+        ('vllm:cache_config_info{kv_cache_size_tokens="lots"} 1\n', models(8192), "bad_type"),
+        ('vllm:cache_config_info{kv_cache_size_tokens="0"} 1\n', models(8192), "bad_value"),
+        (load_text("vllm_0.11_metrics.prom"), {"data": [{"id": "m"}]}, "missing_field"),
+        (load_text("vllm_0.11_metrics.prom"), models("8192"), "bad_type"),
+        (load_text("vllm_0.11_metrics.prom"), {"data": "m"}, "bad_type"),
+    ],
+)
+def test_vllm_wrong_shapes_fail_with_a_reason(
+    metrics_text: str, model_list: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(ProbeError) as exc:
+        measure_vllm(VLLM, metrics_text, model_list)
+    assert reason_of(exc) == reason
+
+
+# --- static and shared pieces ------------------------------------------------------------
+
+
+def test_static_is_declared() -> None:
+    spec = EngineSpec(url="static://prefill", role="prefill", kind="static", capacity_tokens=65536)
+    got = measure_static(spec)
+    assert isinstance(got, EngineMeasurement)
+    assert (got.input_limit_tokens, got.decode_limit_tokens, got.pool_tokens) == (65536,) * 3
+    assert got.source == "declared"
+    assert got.bound_by == "declared"
+    assert got.to_json()["source"] == "declared"
+
+
+def test_prometheus_parser_handles_escapes_and_timestamps() -> None:
+    text = (
+        '# HELP x y\nm{a="q\\"uote",b="back\\\\slash",c="n\\nl"} 12 1700000000000\nm 3\nother 1\n'
+    )
+    got = parse_prometheus(text, ["m"])["m"]
+    assert got == [({"a": 'q"uote', "b": "back\\slash", "c": "n\nl"}, 12.0), ({}, 3.0)]
+
+
+def test_probe_error_reasons_are_a_closed_set() -> None:
+    with pytest.raises(ValueError, match="unknown probe error reason"):
+        ProbeError("weird", "x")
