@@ -107,14 +107,20 @@ def measure_vllm(
             "context_exceeds_pool",
             f"max_model_len {max_model_len:,} exceeds the KV pool {pool_tokens:,}",
         )
-    input_source = pool_source if limits.bound_by == "pool" else context_source
+    # Both fields bound the limit; name both, binding one first.
+    first, second = (
+        (pool_source, context_source)
+        if limits.bound_by == "pool"
+        else (context_source, pool_source)
+    )
+    input_source = f"min({first}, {second})"
     return EngineMeasurement(
         engine=spec.label,
         url=spec.url,
         role=spec.role,
         kind="vllm",
         input_limit_tokens=limits.input_limit_tokens,
-        input_limit_source=f"min(max_model_len, pool) - 1 via {input_source}",
+        input_limit_source=f"{input_source} - 1",
         pool_tokens=pool_tokens,
         pool_source=pool_source,
         bound_by=limits.bound_by,
@@ -124,7 +130,7 @@ def measure_vllm(
         context_length=max_model_len,
         context_source=context_source,
         decode_limit_tokens=limits.decode_limit_tokens,
-        decode_limit_source=f"min(max_model_len, pool) via {input_source}",
+        decode_limit_source=input_source,
         warnings=tuple(found.warnings),
         notes=tuple(found.notes),
     )
