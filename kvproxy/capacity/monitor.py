@@ -89,6 +89,7 @@ class CapacityMonitor:
         self._task: asyncio.Task[None] | None = None
         # Last successful expansion of each configured engine (index-aligned).
         self._groups: list[tuple[EngineSpec, ...]] = [(s,) for s in settings.engines]
+        self._discovery_errors: dict[int, str] = {}  # last failure per configured engine
         self._engines: dict[str, _EngineState] = {}
         for spec in settings.engines:
             self._engines[spec.label] = _EngineState(spec, spec)
@@ -109,10 +110,9 @@ class CapacityMonitor:
         if self._task is not None:
             return
         if self._session is None:
+            # Its own pool: probes never queue behind proxied requests, nor they behind us.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=64),
-                trust_env=False,
-                auto_decompress=True,
+                connector=aiohttp.TCPConnector(limit=64), trust_env=False
             )
             self._own_session = True
         self._task = asyncio.create_task(self._run(), name="kvproxy-capacity-monitor")
@@ -188,12 +188,15 @@ class CapacityMonitor:
                 # there is none, the configured URL is probed and fails on its own.
                 if self._groups[i] != (spec,):
                     self._count_error(spec.label, result)
-                log.warning("capacity: discovery of %s failed: %s", spec.label, result)
+                if self._discovery_errors.get(i) != str(result):
+                    log.warning("capacity: discovery of %s failed: %s", spec.label, result)
+                self._discovery_errors[i] = str(result)
                 continue
             if isinstance(result, BaseException):
                 log.error("capacity: discovery of %s crashed: %r", spec.label, result)
                 continue
             self._groups[i] = result
+            self._discovery_errors.pop(i, None)
         wanted: dict[str, tuple[EngineSpec, EngineSpec]] = {}
         for spec, group in zip(specs, self._groups, strict=True):
             for member in group:
