@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import time
 from collections import Counter
@@ -119,6 +120,17 @@ class EngineStats:
     requests_finished: int = 0
 
 
+class _GrpcProbeFilter(logging.Filter):
+    """Drops aiohttp's traceback for HTTP/2 prefaces (the router's gRPC probes), only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "PRI/Upgrade" in str(exc))
+
+
+_GRPC_FILTER = _GrpcProbeFilter()
+
+
 class EngineServer:
     """One prefill or decode engine: an aiohttp app bound to ``config.port``."""
 
@@ -160,6 +172,7 @@ class EngineServer:
         return self._session
 
     async def start(self) -> None:
+        logging.getLogger("aiohttp.server").addFilter(_GRPC_FILTER)  # idempotent
         app = web.Application(client_max_size=64 * 1024 * 1024)
         self.add_routes(app)
         # Cancel handlers when the peer leaves: that is how a disconnect reaches the engine.

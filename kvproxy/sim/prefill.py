@@ -50,6 +50,7 @@ class PrefillRoom:
     error: str = ""
     decode_url: str | None = None
     inflight: set[asyncio.Task[Any]] = field(default_factory=set)
+    pages: list[int] = field(default_factory=list)
 
 
 class PrefillServer(EngineServer):
@@ -98,7 +99,7 @@ class PrefillServer(EngineServer):
                 resp = await self.open_stream(request)
             outcome = await asyncio.shield(state.result)
         except (asyncio.CancelledError, ConnectionError):
-            state.aborted.set()
+            self._abort(state)
             self.stats.aborts += 1
             raise
         self.stats.requests_finished += 1
@@ -132,6 +133,12 @@ class PrefillServer(EngineServer):
             await resp.write(sse(event))
             await resp.write(SSE_DONE)
 
+    def _abort(self, state: PrefillRoom) -> None:
+        state.aborted.set()
+        if self.config.free_on_abort and state.pages:
+            # Source pages are not held either (SGLang #38961): reusable at once.
+            self.free_pages(state.pages, state.room)
+
     def _remember_rejection(self, room: int, message: str) -> None:
         self.rejected[room] = message
         while len(self.rejected) > _REJECTED_MEMORY:
@@ -144,7 +151,7 @@ class PrefillServer(EngineServer):
 
     async def _transfer(self, state: PrefillRoom) -> None:
         assert state.result is not None
-        pages: list[int] = []
+        pages = state.pages
         outcome = "aborted"
         try:
             outcome = await self._run_transfer(state, pages)
@@ -299,6 +306,6 @@ class PrefillServer(EngineServer):
         state = self.rooms.get(room)
         if state is None:
             return web.json_response({"ack": True})
-        state.aborted.set()
+        self._abort(state)
         # Nothing on the wire: the sender checks the abort before issuing the next batch.
         return web.json_response({"ack": not state.inflight})
