@@ -231,6 +231,16 @@ def canary_violation() -> KvproxyError:
     )
 
 
+def internal_error() -> KvproxyError:
+    return KvproxyError(
+        status=500,
+        code="internal_error",
+        reason="internal_error",
+        type="server_error",
+        message="kvproxy failed to handle this request; it has been logged",
+    )
+
+
 def _upstream(status: int, code: str, message: str) -> KvproxyError:
     return KvproxyError(status=status, code=code, reason=code, type="server_error", message=message)
 

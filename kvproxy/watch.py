@@ -25,7 +25,8 @@ LAG_TICK_S = 0.05
 class DisconnectWatcher:
     def __init__(self, tick_s: float = DISCONNECT_TICK_S) -> None:
         self._tick_s = tick_s
-        self._watched: dict[web.BaseRequest, asyncio.Future[None]] = {}
+        # Keyed by id(): requests are mutable mappings, hence unhashable.
+        self._watched: dict[int, tuple[web.BaseRequest, asyncio.Future[None]]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -44,13 +45,13 @@ class DisconnectWatcher:
         if _gone(request):
             fut.set_result(None)
         else:
-            self._watched[request] = fut
+            self._watched[id(request)] = (request, fut)
         return fut
 
     def unwatch(self, request: web.BaseRequest) -> None:
-        fut = self._watched.pop(request, None)
-        if fut is not None and not fut.done():
-            fut.cancel()
+        entry = self._watched.pop(id(request), None)
+        if entry is not None and not entry[1].done():
+            entry[1].cancel()
 
     @property
     def watched(self) -> int:
@@ -61,9 +62,9 @@ class DisconnectWatcher:
             await asyncio.sleep(self._tick_s)
             if not self._watched:
                 continue
-            gone = [r for r in self._watched if _gone(r)]
-            for request in gone:
-                fut = self._watched.pop(request)
+            gone = [key for key, (r, _) in self._watched.items() if _gone(r)]
+            for key in gone:
+                _, fut = self._watched.pop(key)
                 if not fut.done():
                     fut.set_result(None)
 

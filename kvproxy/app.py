@@ -1,0 +1,228 @@
+"""Builds the public and admin aiohttp apps and owns the lifecycle.
+
+Lifecycle (explicit, like uvicorn's Server):
+  start: client session -> capacity monitor (first probe in the background) -> token counter
+         -> watchers -> admin site -> public site.
+  stop:  readiness false and the public port closed (no new connections) -> wait for
+         in-flight and deferred requests up to `shutdown_grace_s` -> hard stop: deferred
+         drains still open end as `shutdown` -> close sites, monitor, counter, session.
+The admin site stays up until the very end so Prometheus can scrape the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from kvproxy.budget import InflightBudget
+from kvproxy.canary import CanaryRules
+from kvproxy.capacity import CapacityMonitor
+from kvproxy.config import Settings
+from kvproxy.metrics import Metrics
+from kvproxy.proxy import STATE_KEY, handle
+from kvproxy.state import ServerState
+from kvproxy.tenants import TenantResolver
+from kvproxy.tokens import TokenCounter, build_counter
+from kvproxy.watch import DisconnectWatcher, LoopLagMonitor
+
+log = logging.getLogger("kvproxy.app")
+
+# Time for in-progress handlers to return after the hard stop fired (they only have to
+# close upstream sockets and write a last line).
+FINAL_CLEANUP_S = 5.0
+
+
+class KvproxyServer:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        *,
+        counter: TokenCounter | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self._counter = counter
+        self._state: ServerState | None = None
+        self._public: web.AppRunner | None = None
+        self._admin: web.AppRunner | None = None
+        self._public_site: web.TCPSite | None = None
+        self.public_port = 0
+        self.admin_port = 0
+
+    @property
+    def state(self) -> ServerState:
+        assert self._state is not None, "server not started"
+        return self._state
+
+    @property
+    def public_url(self) -> str:
+        host, _ = self.settings.listen_host_port
+        return f"http://{_url_host(host)}:{self.public_port}"
+
+    @property
+    def admin_url(self) -> str:
+        host, _ = self.settings.admin_host_port
+        return f"http://{_url_host(host)}:{self.admin_port}"
+
+    async def start(self) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        connector = aiohttp.TCPConnector(
+            limit=s.upstream_max_connections,
+            keepalive_timeout=s.upstream_keepalive_s,
+            enable_cleanup_closed=True,
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=s.upstream_connect_timeout_s,
+                sock_read=s.upstream_read_timeout_s,
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        capacity = CapacityMonitor(s, self.metrics)
+        counter = self._counter or build_counter(s, capacity=capacity, session=session)
+        self._state = state = ServerState(
+            settings=s,
+            metrics=self.metrics,
+            session=session,
+            watcher=DisconnectWatcher(),
+            lag=LoopLagMonitor(self.metrics),
+            capacity=capacity,
+            counter=counter,
+            budget=InflightBudget(
+                max_tokens=s.max_inflight_prompt_tokens,
+                max_requests=s.max_inflight_requests,
+                queue_timeout_s=s.queue_timeout_s,
+                queue_max_waiters=s.queue_max_waiters,
+                metrics=self.metrics,
+            ),
+            tenants=TenantResolver(s),
+            canaries=CanaryRules.from_settings(s),
+            hard_stop=loop.create_future(),
+        )
+        state.idle.set()
+        for canary in s.canaries:
+            self.metrics.canary_violations.labels(canary.tenant)
+        log.info("token counting: %s", counter.describe())
+        await capacity.start()
+        state.watcher.start()
+        state.lag.start()
+
+        self._admin = web.AppRunner(self._admin_app(), access_log=None)
+        await self._admin.setup()
+        host, port = s.admin_host_port
+        admin_site = web.TCPSite(self._admin, host, port)
+        await admin_site.start()
+        self.admin_port = _bound_port(admin_site)
+
+        self._public = web.AppRunner(
+            self._public_app(),
+            access_log=None,
+            handler_cancellation=False,  # I5: a client leaving must not cancel the handler
+            shutdown_timeout=FINAL_CLEANUP_S,
+        )
+        await self._public.setup()
+        host, port = s.listen_host_port
+        self._public_site = web.TCPSite(self._public, host, port, backlog=1024)
+        await self._public_site.start()
+        self.public_port = _bound_port(self._public_site)
+        log.info(
+            "kvproxy listening",
+            extra={
+                "fields": {
+                    "public": self.public_url,
+                    "admin": self.admin_url,
+                    "upstream": s.upstream,
+                }
+            },
+        )
+
+    def _public_app(self) -> web.Application:
+        # client_max_size is enforced by our own reader (413 with a JSON body), not aiohttp's.
+        app = web.Application(client_max_size=self.settings.max_body_bytes + 1)
+        app[STATE_KEY] = self.state
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+    def _admin_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", make_aiohttp_handler(self.metrics.registry))
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/capacity", self._capacity)
+        return app
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        state = self.state
+        if state.stopping:
+            return _json({"ready": False, "reason": "shutting down"}, 503)
+        if not state.capacity.ready():
+            return _json({"ready": False, "reason": "capacity unknown"}, 503)
+        return _json({"ready": True})
+
+    async def _capacity(self, request: web.Request) -> web.Response:
+        return _json(self.state.capacity.snapshot_json())
+
+    async def stop(self) -> None:
+        """Graceful: stop accepting, wait for in-flight and deferred requests, then close."""
+        state = self._state
+        if state is None:
+            return
+        state.stopping = True
+        if self._public_site is not None:
+            await self._public_site.stop()
+        if state.inflight:
+            log.info(
+                "draining %d in-flight requests (grace %.0f s)",
+                state.inflight,
+                self.settings.shutdown_grace_s,
+            )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.idle.wait(), self.settings.shutdown_grace_s)
+        if not state.hard_stop.done():
+            state.hard_stop.set_result(None)
+        if state.inflight:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.idle.wait(), FINAL_CLEANUP_S)
+        if self._public is not None:
+            await self._public.cleanup()
+        for task in list(state.tasks):
+            task.cancel()
+        await state.watcher.stop()
+        await state.lag.stop()
+        await state.capacity.stop()
+        await state.counter.aclose()
+        await state.session.close()
+        if self._admin is not None:
+            await self._admin.cleanup()
+        self._state = None
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _bound_port(site: web.TCPSite) -> int:
+    # uvloop's Server is not an asyncio.Server, but both expose `sockets`.
+    sockets = getattr(site._server, "sockets", None) or []
+    return int(sockets[0].getsockname()[1])
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,211 @@
+"""`kvproxy serve | demo | sim | check | canary`.
+
+Exit codes: 0 success, 1 a check/canary failed, 2 bad configuration or usage (one line on
+stderr naming the setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import orjson
+
+from kvproxy import __version__
+from kvproxy.config import ConfigError, Settings, load_settings
+from kvproxy.logs import setup_logging
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (also KVPROXY_CONFIG)")
+    p.add_argument("--listen", help="public HOST:PORT (KVPROXY_LISTEN, default 0.0.0.0:8080)")
+    p.add_argument("--admin-listen", help="admin HOST:PORT (KVPROXY_ADMIN_LISTEN, default :9090)")
+    p.add_argument("--upstream", help="router URL (KVPROXY_UPSTREAM)")
+    p.add_argument("--engines", help="JSON list of engines (KVPROXY_ENGINES)")
+    p.add_argument("--max-context", type=int, help="declared context (KVPROXY_MAX_CONTEXT)")
+    p.add_argument("--tokenizer", help="bytes | engine | hf:PATH | tiktoken:PATH")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
+    if getattr(args, "config", None):
+        os.environ["KVPROXY_CONFIG"] = args.config
+    overrides: dict[str, Any] = {
+        "listen": getattr(args, "listen", None),
+        "admin_listen": getattr(args, "admin_listen", None),
+        "upstream": getattr(args, "upstream", None),
+        "max_context": getattr(args, "max_context", None),
+        "tokenizer": getattr(args, "tokenizer", None),
+        "log_level": getattr(args, "log_level", None),
+    }
+    engines = getattr(args, "engines", None)
+    if engines:
+        try:
+            overrides["engines"] = orjson.loads(engines)
+        except orjson.JSONDecodeError as exc:
+            raise ConfigError(f"invalid setting engines (--engines): not JSON: {exc}") from None
+    overrides.update(extra)
+    return load_settings(**overrides)
+
+
+def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(main())
+    except ImportError:  # pragma: no cover - uvloop is a hard dependency on Linux
+        return asyncio.run(main())
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = _settings_from(args)
+    setup_logging(settings.log_level)
+
+    async def main() -> int:
+        from kvproxy.app import KvproxyServer
+
+        server = KvproxyServer(settings)
+        await server.start()
+        try:
+            await _until_signalled()
+        finally:
+            await server.stop()
+        return 0
+
+    return _run(main)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvproxy.sim.launcher import SimCluster, SimOptions
+
+    opts = SimOptions(host="127.0.0.1", port=args.sim_port, mode=args.mode)
+
+    async def main() -> int:
+        from kvproxy.app import KvproxyServer
+
+        sim = SimCluster(opts)
+        await sim.start()
+        settings = _settings_from(
+            args,
+            upstream=sim.router_url,
+            engines=[
+                {"url": sim.prefill_url, "role": "prefill", "kind": "sglang"},
+                {"url": sim.decode_url, "role": "decode", "kind": "sglang"},
+            ],
+            max_context=opts.context_length,
+        )
+        setup_logging(settings.log_level)
+        server = KvproxyServer(settings)
+        try:
+            await server.start()
+            await server.state.capacity.refresh_now()
+            print(_demo_banner(server.public_url, server.admin_url, sim.router_url), flush=True)
+            await _until_signalled()
+        finally:
+            await server.stop()
+            await sim.close()
+        return 0
+
+    return _run(main)
+
+
+def _demo_banner(proxy: str, admin: str, sim: str) -> str:
+    chat = "/v1/chat/completions -H 'Content-Type: application/json'"
+    long_prompt = "$(printf 'overlong-prompt %.0s' $(seq 400))"
+    return f"""
+kvproxy demo: the built-in PD simulator (vulnerable mode) behind kvproxy
+  proxy    {proxy}
+  admin    {admin}/capacity  {admin}/metrics  {admin}/readyz
+  sim      {sim}  (router; ground truth at {sim}/sim/stats)
+
+Stream a reply through the proxy:
+  curl -N {proxy}{chat} \\
+    -d '{{"model":"sim","stream":true,"max_tokens":48,"messages":[{{"role":"user","content":"Hello kvproxy, tenant A canary KVCANARY-A-0123456789abcdef"}}]}}'
+
+The incident, straight to the simulator (over-long prompt: HTTP 200 with someone else's text):
+  curl -s {sim}{chat} \\
+    -d "{{\\"max_tokens\\":400,\\"messages\\":[{{\\"role\\":\\"user\\",\\"content\\":\\"{long_prompt}\\"}}]}}"
+
+The same request through kvproxy (400 context_length_exceeded, nothing reaches the engine):
+  curl -s {proxy}{chat} \\
+    -d "{{\\"max_tokens\\":400,\\"messages\\":[{{\\"role\\":\\"user\\",\\"content\\":\\"{long_prompt}\\"}}]}}"
+"""
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from kvproxy.sim.launcher import run
+
+    return run(args)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from kvproxy.gate import run_check
+
+    return run_check(args)
+
+
+def cmd_canary(args: argparse.Namespace) -> int:
+    from kvproxy.isolation import run_canary
+
+    return run_canary(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvproxy", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvproxy {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy")
+    _serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    demo = sub.add_parser("demo", help="the proxy in front of the built-in PD simulator")
+    _serve_args(demo)
+    demo.add_argument("--sim-port", type=int, default=30000)
+    demo.add_argument("--mode", choices=["vulnerable", "fixed"], default="vulnerable")
+    demo.set_defaults(func=cmd_demo)
+
+    from kvproxy.sim.launcher import add_arguments as sim_arguments
+
+    sim = sub.add_parser("sim", help="the PD engine simulator (prefill, decode, router)")
+    sim_arguments(sim)
+    sim.set_defaults(func=cmd_sim)
+
+    from kvproxy.gate import add_arguments as check_arguments
+
+    check = sub.add_parser("check", help="release gate: measure, compare, probe, record")
+    check_arguments(check)
+    check.set_defaults(func=cmd_check)
+
+    from kvproxy.isolation import add_arguments as canary_arguments
+
+    canary = sub.add_parser("canary", help="two-tenant isolation test")
+    canary_arguments(canary)
+    canary.set_defaults(func=cmd_canary)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kvproxy: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,265 @@
+"""The public handler: read the body, decide admission, forward, relay.
+
+Order matters and each step fails closed:
+  1. refuse while stopping, refuse oversize bodies on Content-Length (413) before reading;
+  2. read the body under a deadline (slowloris: 408);
+  3. capacity unknown -> 503 before any parsing (I3);
+  4. parse (400 naming the field), count (bound first, exact only if needed), decide (I1, I4);
+  5. take in-flight budget (429 when it cannot be had in time);
+  6. forward the original bytes (no re-serialisation) and relay (I5, I6).
+A rejected request sends nothing upstream (I7). Nothing here logs request or response text (I8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvproxy import admission, errors
+from kvproxy.errors import ErrorStyle, KvproxyError
+from kvproxy.logs import ACCESS_LOGGER, AccessRecord
+from kvproxy.prompt import PromptShape, Route, parse_request, route_for_path
+from kvproxy.relay import Exchange, error_response, filter_headers
+from kvproxy.state import ServerState
+
+log = logging.getLogger("kvproxy.proxy")
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+STATE_KEY = web.AppKey("kvproxy_state", ServerState)
+
+
+def _style(route: Route | None) -> ErrorStyle:
+    return "sglang" if route == "generate" else "openai"
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    route = route_for_path(request.path)
+    rec = AccessRecord(
+        request_id=request.headers.get("X-Request-ID") or uuid.uuid4().hex,
+        method=request.method,
+        path=request.path if route is not None else "other",
+        route=route or "passthrough",
+        started=time.monotonic(),
+    )
+    state.enter()
+    try:
+        try:
+            resp = await _handle(state, request, route, rec)
+        except Exception as exc:
+            # A bug must cost one request a 500, never the process; the log names the
+            # exception type only (its message could quote request content).
+            log.error("internal error handling request %s: %s", rec.request_id, type(exc).__name__)
+            rec.reason = "internal_error"
+            resp = error_response(
+                errors.internal_error(), {"X-Request-ID": rec.request_id}, _style(route)
+            )
+        if resp is not None:
+            rec.status = resp.status
+        elif rec.status == 0:
+            rec.status = 499 if rec.client_disconnect else 200
+        state.metrics.responses_total.labels(rec.route, str(rec.status)).inc()
+        return resp if resp is not None else _already_sent()
+    finally:
+        rec.finish()
+        state.metrics.request_duration.labels(rec.route).observe(rec.duration_s)
+        state.metrics.requests_total.labels(rec.route, rec.decision).inc()
+        if state.settings.access_log:
+            rec.emit(access_log)
+        state.leave()
+
+
+def _already_sent() -> web.StreamResponse:
+    # aiohttp requires a return value; when the response was streamed (or the client left)
+    # an unprepared placeholder is never written because the connection is done with.
+    resp = web.StreamResponse(status=200)
+    resp.force_close()
+    return resp
+
+
+async def _handle(
+    state: ServerState, request: web.Request, route: Route | None, rec: AccessRecord
+) -> web.StreamResponse | None:
+    s = state.settings
+    style = _style(route)
+    tenant = state.tenants.resolve(request.headers)
+    rec.tenant = tenant
+
+    if state.stopping:
+        err = KvproxyError(
+            status=503,
+            code="shutting_down",
+            reason="shutting_down",
+            type="service_unavailable",
+            message="kvproxy is shutting down; retry on another replica",
+            headers={"Retry-After": "1", "Connection": "close"},
+        )
+        return _reject(state, rec, err, style)
+
+    if request.content_length is not None and request.content_length > s.max_body_bytes:
+        return _reject(
+            state, rec, errors.body_too_large(request.content_length, s.max_body_bytes), style
+        )
+
+    try:
+        body = await asyncio.wait_for(_read_body(request, s.max_body_bytes), s.body_read_timeout_s)
+    except KvproxyError as err:
+        return _reject(state, rec, err, style)
+    except TimeoutError:
+        return _reject(state, rec, errors.body_read_timeout(s.body_read_timeout_s), style)
+    except ConnectionResetError:
+        # The client left mid-upload: nothing was sent upstream, nothing to defer.
+        rec.client_disconnect = "before_headers"
+        state.metrics.client_disconnects.labels("before_headers").inc()
+        rec.decision = "abandoned"
+        return None
+    rec.bytes_in = len(body)
+
+    extra = {"X-Request-ID": rec.request_id}
+    headers = filter_headers(request.headers)
+    headers["X-Request-ID"] = rec.request_id
+    for name in state.tenants.headers_to_strip():
+        headers.popall(name, None)
+
+    streaming = False
+    lease = None
+    if route is not None:
+        if request.method != "POST":
+            return _reject(state, rec, errors.method_not_allowed(request.method), style)
+        decided = await _admit(state, route, body, rec)
+        if isinstance(decided, KvproxyError):
+            return _reject(state, rec, decided, style)
+        shape, verdict = decided
+        streaming = shape.stream
+        extra["X-Kvproxy-Decision"] = "admitted"
+        extra["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
+        if verdict.clamped_output_tokens is not None:
+            body = _clamp_output(body, route, verdict.clamped_output_tokens)
+            extra["X-Kvproxy-Output-Clamped"] = str(verdict.clamped_output_tokens)
+        try:
+            lease = await state.budget.acquire(verdict.prompt_tokens)
+        except KvproxyError as err:
+            return _reject(state, rec, err, style, extra)
+        rec.decision = "admitted"
+
+    scanner = state.canaries.scanner(tenant) if state.canaries.active else None
+    exchange = Exchange(
+        state, request, rec, streaming=streaming, scanner=scanner, extra_headers=extra
+    )
+    try:
+        url = s.upstream + request.rel_url.raw_path_qs
+        resp = await exchange.run(request.method, url, _as_multidict(headers), body)
+    finally:
+        # I6: the budget comes back only now, when the upstream connection is closed.
+        if lease is not None:
+            lease.release()
+    if exchange.usage.prompt_tokens is not None and rec.prompt_tokens is not None:
+        _drift(state, rec, exchange.usage.prompt_tokens)
+    if resp is None and exchange.client is not None:
+        rec.status = exchange.client.status
+    return resp
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    # Content-Length was checked already; chunked uploads are counted as they arrive.
+    buf = bytearray()
+    async for chunk in request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise errors.body_too_large(None, limit)
+    return bytes(buf)
+
+
+async def _admit(
+    state: ServerState, route: Route, body: bytes, rec: AccessRecord
+) -> tuple[PromptShape, admission.Admit] | KvproxyError:
+    limits = state.capacity.limits()
+    pre = admission.precheck(limits, state.capacity.retry_after_s(), "no fresh measurement")
+    if pre is not None:
+        return pre.error
+    try:
+        shape = parse_request(route, body)
+    except KvproxyError as err:
+        return err
+    assert limits.admission_limit_tokens is not None
+    t0 = time.perf_counter()
+    try:
+        count = await state.counter.count(shape, limits.admission_limit_tokens)
+    except KvproxyError as err:
+        return err
+    m = state.metrics
+    m.admission_duration.labels(count.method).observe(time.perf_counter() - t0)
+    m.prompt_tokens.labels(count.method).observe(count.tokens)
+    rec.prompt_tokens = count.tokens
+    rec.count_method = count.method
+    policy = admission.Policy(state.settings.decode_policy, state.settings.default_output_tokens)
+    verdict = admission.decide(
+        admission.PromptCount(
+            tokens=count.tokens,
+            method=count.method,
+            exact=count.exact,
+            output_tokens=shape.max_output_tokens,
+            n=shape.n,
+            param=shape.prompt_param,
+        ),
+        limits,
+        policy,
+    )
+    if isinstance(verdict, admission.Reject):
+        return verdict.error
+    return shape, verdict
+
+
+def _reject(
+    state: ServerState,
+    rec: AccessRecord,
+    err: KvproxyError,
+    style: ErrorStyle,
+    extra: dict[str, str] | None = None,
+) -> web.Response:
+    rec.decision = "rejected"
+    rec.reason = err.reason
+    state.metrics.rejections.labels(err.reason).inc()
+    headers = dict(extra or {})
+    headers["X-Request-ID"] = rec.request_id
+    headers["X-Kvproxy-Decision"] = "rejected"
+    if rec.prompt_tokens is not None:
+        headers["X-Kvproxy-Prompt-Tokens"] = str(rec.prompt_tokens)
+    return error_response(err, headers, style)
+
+
+def _clamp_output(body: bytes, route: Route, max_tokens: int) -> bytes:
+    # Only under decode_policy=clamp do we re-serialise: the request must carry the new cap.
+    data = orjson.loads(body)
+    if route == "generate":
+        sp = data.setdefault("sampling_params", {})
+        sp["max_new_tokens"] = max_tokens
+    else:
+        data.pop("max_completion_tokens", None)
+        data["max_tokens"] = max_tokens
+    return orjson.dumps(data)
+
+
+def _drift(state: ServerState, rec: AccessRecord, engine_tokens: int) -> None:
+    assert rec.prompt_tokens is not None
+    if rec.count_method in ("exact", "engine"):
+        state.metrics.token_count_drift.observe(engine_tokens - rec.prompt_tokens)
+    if engine_tokens > rec.prompt_tokens:
+        state.metrics.token_bound_exceeded.inc()
+        log.warning(
+            "engine counted more prompt tokens than kvproxy's %s (%d > %d): the configured "
+            "tokenizer does not match the model",
+            rec.count_method,
+            engine_tokens,
+            rec.prompt_tokens,
+        )
+
+
+def _as_multidict(h: CIMultiDict[str]) -> CIMultiDict[str]:
+    return h

@@ -1,0 +1,460 @@
+"""The upstream exchange: send the request, pump the response to the client, and obey the
+drain state machine when the client leaves.
+
+The policy lives in `drain.DrainMachine` (sans-IO); this module only feeds it events
+(headers, chunks, EOF, errors, client gone, deadline, shutdown) and executes its decisions.
+It also runs the per-chunk guards that need the response bytes: the canary tripwire and the
+token-count drift check. It never logs or stores response text beyond what those guards
+need for one response (I8).
+
+Why the two read paths: racing every read against the disconnect watcher costs a task per
+chunk. Once a token has reached a present client the transfer is over, and a disconnect is
+noticed by the next failed write, so the hot streaming path is a plain `readany()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from kvproxy import drain, errors
+from kvproxy.canary import CanaryScanner
+from kvproxy.errors import KvproxyError
+from kvproxy.logs import AccessRecord, log_event
+from kvproxy.sse import SSEParser, body_texts, token_texts
+from kvproxy.state import ServerState
+
+log = logging.getLogger("kvproxy.relay")
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Connection",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "Host",
+        "Content-Length",
+    )
+)
+# A non-streaming body is kept (up to this size) to read usage and scan for canaries.
+KEEP_BODY_BYTES = 8 * 1024 * 1024
+
+
+def filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
+    """Drop hop-by-hop headers, including those the Connection header names."""
+    named = {tok.strip().lower() for v in headers.getall("Connection", []) for tok in v.split(",")}
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        lk = k.lower()
+        if lk in HOP_BY_HOP or lk in named:
+            continue
+        out.add(k, v)
+    return out
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int | None = None
+
+
+class _Signal:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+GONE = _Signal("gone")
+DEADLINE = _Signal("deadline")
+SHUTDOWN = _Signal("shutdown")
+
+
+class Exchange:
+    """One request's trip upstream and back. Use once: `await Exchange(...).run(...)`."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        request: web.Request,
+        record: AccessRecord,
+        *,
+        streaming: bool,
+        scanner: CanaryScanner | None,
+        extra_headers: dict[str, str],
+    ) -> None:
+        self.state = state
+        self.request = request
+        self.record = record
+        self.scanner = scanner
+        self.extra_headers = extra_headers
+        s = state.settings
+        self.machine = drain.DrainMachine(
+            streaming=streaming, until=s.drain_until, timeout_s=s.drain_timeout_s
+        )
+        self.streaming = streaming
+        self.gone: asyncio.Future[None] = state.watcher.watch(request)
+        self.gone_seen = False
+        self.shutdown_seen = False
+        self.upstream: aiohttp.ClientResponse | None = None
+        self.client: web.StreamResponse | None = None
+        self.usage = Usage()
+        self.sse: SSEParser | None = None
+        self.token_seen = False
+        self.kept = bytearray()
+        self.blocked = False
+
+    # --- the racing wait ----------------------------------------------------------------
+
+    async def _wait(self, fut: asyncio.Future[Any]) -> Any:
+        """Wait for `fut`, or for the client to go, the drain deadline or hard shutdown."""
+        while True:
+            waiters: set[asyncio.Future[Any]] = {fut}
+            if not self.gone_seen:
+                waiters.add(self.gone)
+            if not self.shutdown_seen:
+                waiters.add(self.state.hard_stop)
+            timeout = None
+            if self.machine.deadline is not None:
+                timeout = max(0.0, self.machine.deadline - time.monotonic())
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when="FIRST_COMPLETED")
+            if fut in done:
+                return fut.result()
+            if not self.gone_seen and self.gone in done:
+                self.gone_seen = True
+                return GONE
+            if not self.shutdown_seen and self.state.hard_stop in done:
+                self.shutdown_seen = True
+                return SHUTDOWN
+            if not done:
+                return DEADLINE
+
+    # --- events into the machine ----------------------------------------------------------
+
+    def _client_gone(self) -> drain.Decision:
+        self.gone_seen = True
+        decision = self.machine.handle(drain.ClientGone(now=time.monotonic()))
+        phase = self.machine.disconnect_phase
+        if phase is not None:
+            self.record.client_disconnect = phase
+            self.state.metrics.client_disconnects.labels(phase).inc()
+            log_event(
+                log, logging.DEBUG, "client gone", request_id=self.record.request_id, phase=phase
+            )
+        if self.machine.deferred:
+            self.state.metrics.deferred_in_progress.inc()
+        return decision
+
+    def _signal(self, sig: _Signal) -> drain.Decision:
+        now = time.monotonic()
+        if sig is GONE:
+            return self._client_gone()
+        if sig is DEADLINE:
+            return self.machine.handle(drain.Deadline(now=now))
+        return self.machine.handle(drain.Shutdown(now=now))
+
+    # --- the exchange -------------------------------------------------------------------
+
+    async def run(
+        self, method: str, url: str, headers: CIMultiDict[str], body: bytes
+    ) -> web.StreamResponse | None:
+        """Returns a response to send when nothing was streamed yet, else None."""
+        s = self.state
+        t_sent = time.monotonic()
+        send: asyncio.Future[aiohttp.ClientResponse] = asyncio.ensure_future(
+            s.session.request(
+                method,
+                url,
+                data=body,
+                headers=headers,
+                allow_redirects=False,
+                auto_decompress=False,
+            )
+        )
+        try:
+            result = await self._headers_phase(send)
+            if isinstance(result, web.StreamResponse) or result is None:
+                return result
+            return await self._body_phase(result, t_sent)
+        finally:
+            if not send.done():
+                send.cancel()
+                with contextlib.suppress(BaseException):
+                    await send
+            self._close_upstream()
+            s.watcher.unwatch(self.request)
+            self._account_deferral()
+
+    async def _headers_phase(
+        self, send: asyncio.Future[aiohttp.ClientResponse]
+    ) -> aiohttp.ClientResponse | web.StreamResponse | None:
+        while True:
+            try:
+                got = await self._wait(send)
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                return self._upstream_failed(exc)
+            if isinstance(got, _Signal):
+                decision = self._signal(got)
+                if isinstance(decision, drain.CloseUpstream):
+                    return None
+                continue
+            up: aiohttp.ClientResponse = got
+            self.upstream = up
+            self.machine.handle(drain.UpstreamHeaders(now=time.monotonic()))
+            return up
+
+    def _upstream_failed(self, exc: BaseException) -> web.StreamResponse | None:
+        err = errors.map_upstream_exception(exc)
+        self.record.upstream_outcome = err.code
+        self.state.metrics.upstream_errors.labels(err.code).inc()
+        self.machine.handle(drain.UpstreamError(now=time.monotonic()))
+        if self.gone_seen:
+            return None
+        return error_response(err, self.extra_headers)
+
+    async def _start_client(self, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        headers = filter_headers(up.headers)
+        headers.update(self.extra_headers)
+        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        if up.headers.get("Content-Length") is not None and not self._must_buffer(up):
+            resp.content_length = int(up.headers["Content-Length"])
+        await resp.prepare(self.request)
+        self.client = resp
+        return resp
+
+    def _must_buffer(self, up: aiohttp.ClientResponse) -> bool:
+        # A non-streamed body can only be withheld (canary block) if we hold it until scanned.
+        return (
+            self.scanner is not None
+            and self.state.settings.canary_action == "block"
+            and not _is_sse(up)
+        )
+
+    async def _body_phase(
+        self, up: aiohttp.ClientResponse, t_sent: float
+    ) -> web.StreamResponse | None:
+        is_sse = _is_sse(up)
+        if is_sse:
+            self.sse = SSEParser()
+        buffering = self._must_buffer(up)
+        got_first = False
+        while True:
+            fast = got_first and not self.gone_seen and (self.token_seen or not self.streaming)
+            try:
+                if fast:
+                    chunk = await up.content.readany()
+                else:
+                    read = asyncio.ensure_future(up.content.readany())
+                    try:
+                        got = await self._wait(read)
+                    finally:
+                        if not read.done():
+                            read.cancel()
+                            with contextlib.suppress(BaseException):
+                                await read
+                    if isinstance(got, _Signal):
+                        if isinstance(self._signal(got), drain.CloseUpstream):
+                            return None
+                        continue
+                    chunk = got
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                resp = self._upstream_failed(exc)
+                if self.client is not None and not self.gone_seen:
+                    await self._end_stream_with_error(errors.map_upstream_exception(exc))
+                    return None
+                return resp
+            now = time.monotonic()
+            if not chunk:
+                self.machine.handle(drain.UpstreamEOF(now=now))
+                return await self._finish(up, buffering)
+            if not got_first:
+                got_first = True
+                ttft = now - t_sent
+                self.record.ttft_s = ttft
+                self.state.metrics.upstream_ttft.observe(ttft)
+            hit, has_token = self._inspect(chunk, is_sse)
+            if hit:
+                return await self._block(up)
+            decision = self.machine.handle(drain.UpstreamChunk(now=now, has_token=has_token))
+            if isinstance(decision, drain.CloseUpstream):
+                return None
+            if isinstance(decision, drain.Discard):
+                continue
+            if buffering:
+                self.kept += chunk
+                if len(self.kept) > KEEP_BODY_BYTES * 8:
+                    # Too big to hold for scanning; fail closed rather than deliver unscanned.
+                    return await self._block(up)
+                continue
+            if len(self.kept) < KEEP_BODY_BYTES and not is_sse:
+                self.kept += chunk
+            await self._write(up, chunk)
+
+    async def _write(self, up: aiohttp.ClientResponse, chunk: bytes) -> None:
+        client = self.client or await self._start_client(up)
+        try:
+            await client.write(chunk)
+            self.record.bytes_out += len(chunk)
+        except (ConnectionResetError, RuntimeError):
+            # RuntimeError: aiohttp raises it when the payload writer is already closed.
+            self._client_gone()
+
+    def _inspect(self, chunk: bytes, is_sse: bool) -> tuple[bool, bool]:
+        """Canary scan and token detection; returns (canary hit, chunk carries a token)."""
+        if not is_sse or self.sse is None:
+            return False, False
+        has_token = False
+        need_texts = self.scanner is not None or not self.token_seen
+        for payload in self.sse.feed(chunk):
+            if b'"usage"' in payload:
+                self._read_usage(payload)
+            if not need_texts:
+                continue
+            for index, text in token_texts(payload):
+                if text:
+                    has_token = True
+                if self.scanner is not None and text:
+                    hit = self.scanner.feed_text(index, text)
+                    if hit is not None:
+                        self._report_canary(hit)
+                        return True, has_token
+        if has_token:
+            self.token_seen = True
+        return False, has_token
+
+    def _read_usage(self, payload: bytes) -> None:
+        with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
+            usage = orjson.loads(payload).get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+                self.usage.prompt_tokens = usage["prompt_tokens"]
+
+    async def _finish(
+        self, up: aiohttp.ClientResponse, buffering: bool
+    ) -> web.StreamResponse | None:
+        if self.kept and not self.streaming:
+            self._read_usage(bytes(self.kept))
+        if buffering:
+            if self.scanner is not None:
+                hit = None
+                for text in body_texts(bytes(self.kept)):
+                    hit = self.scanner.feed_text(0, text) or hit
+                if hit is not None:
+                    self._report_canary(hit)
+                    return await self._block(up)
+            if self.gone_seen:
+                return None
+            headers = filter_headers(up.headers)
+            headers.update(self.extra_headers)
+            self.record.bytes_out += len(self.kept)
+            return web.Response(
+                status=up.status, reason=up.reason, headers=headers, body=bytes(self.kept)
+            )
+        if self.gone_seen:
+            return None
+        client = self.client or await self._start_client(up)
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await client.write_eof()
+        return None
+
+    def _report_canary(self, hit: Any) -> None:
+        tenant = self.record.tenant or "unknown"
+        self.state.metrics.canary_violations.labels(tenant).inc()
+        log_event(
+            log,
+            logging.ERROR,
+            "canary violation: foreign tenant marker in a response",
+            request_id=self.record.request_id,
+            tenant=tenant,
+            owner_tenant=hit.owner_tenant,
+            marker_id=hit.marker_id,
+            action=self.state.settings.canary_action,
+        )
+        if self.state.settings.canary_action == "observe":
+            return
+
+    async def _block(self, up: aiohttp.ClientResponse) -> web.StreamResponse | None:
+        if self.state.settings.canary_action == "observe":
+            return None
+        self.blocked = True
+        # The marker arrived in a generated token: decode holds its KV, the transfer is
+        # over, so closing the upstream now is a safe point (I5).
+        self.machine.handle(drain.UpstreamEOF(now=time.monotonic()))
+        err = errors.canary_violation()
+        self.record.upstream_outcome = err.code
+        if self.gone_seen:
+            return None
+        if self.client is not None:
+            await self._end_stream_with_error(err)
+            return None
+        return error_response(err, self.extra_headers)
+
+    async def _end_stream_with_error(self, err: KvproxyError) -> None:
+        assert self.client is not None
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await self.client.write(errors.sse_error_event(err))
+            await self.client.write_eof()
+
+    # --- closing ------------------------------------------------------------------------
+
+    def _close_upstream(self) -> None:
+        up = self.upstream
+        if up is None:
+            return
+        if up.content.at_eof():
+            up.release()  # pools the connection
+        else:
+            up.close()  # an intentional abort drops it
+
+    def _account_deferral(self) -> None:
+        m = self.state.metrics
+        outcome = self.machine.outcome
+        if not self.gone_seen or outcome is None:
+            return
+        now = time.monotonic()
+        duration = self.machine.deferred_for(now)
+        self.record.deferred_outcome = outcome
+        self.record.deferred_s = duration
+        m.deferred_total.labels(outcome).inc()
+        m.deferred_duration.labels(outcome).observe(duration)
+        if self.machine.discarded_token_chunks:
+            m.discarded_tokens.inc(self.machine.discarded_token_chunks)
+        if self.machine.was_deferred:
+            m.deferred_in_progress.dec()
+        if outcome == "timeout":
+            log_event(
+                log,
+                logging.WARNING,
+                "deferred cancellation timed out: drain NOT confirmed, KV writes may still land",
+                request_id=self.record.request_id,
+                deferred_s=round(duration, 3),
+            )
+
+
+def _is_sse(up: aiohttp.ClientResponse) -> bool:
+    return up.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+def error_response(
+    err: KvproxyError,
+    extra_headers: dict[str, str] | None = None,
+    style: errors.ErrorStyle = "openai",
+) -> web.Response:
+    headers = dict(extra_headers or {})
+    headers.update(err.headers)
+    return web.Response(
+        status=err.status, body=err.body(style), content_type="application/json", headers=headers
+    )

@@ -1,0 +1,113 @@
+"""Test helpers: a scriptable fake upstream and a proxy started on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvproxy.app import KvproxyServer
+from kvproxy.config import load_settings
+from kvproxy.metrics import Metrics
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class FakeUpstream:
+    """An aiohttp app on 127.0.0.1:0 whose routes a test defines; records what arrived."""
+
+    def __init__(self) -> None:
+        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.received: list[dict[str, Any]] = []
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+        self.closed_early = 0  # handlers that saw their client (the proxy) go away
+
+    def route(self, method: str, path: str, handler: Handler) -> None:
+        async def recording(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            self.received.append(
+                {
+                    "method": request.method,
+                    "path": request.path,
+                    "headers": dict(request.headers),
+                    "body": body,
+                }
+            )
+            return await handler(request)
+
+        self.app.router.add_route(method, path, recording)
+
+    async def start(self) -> None:
+        self.runner = web.AppRunner(self.app, shutdown_timeout=1.0)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def static_engines(capacity: int = 100_000, decode: int | None = None) -> list[dict[str, Any]]:
+    engines: list[dict[str, Any]] = [
+        {
+            "url": "static://prefill",
+            "role": "prefill",
+            "kind": "static",
+            "capacity_tokens": capacity,
+            "name": "static-prefill",
+        }
+    ]
+    if decode is not None:
+        engines.append(
+            {
+                "url": "static://decode",
+                "role": "decode",
+                "kind": "static",
+                "capacity_tokens": decode,
+                "name": "static-decode",
+            }
+        )
+    return engines
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(
+    upstream_url: str, *, refresh: bool = True, **overrides: Any
+) -> AsyncIterator[KvproxyServer]:
+    overrides.setdefault("engines", static_engines())
+    settings = load_settings(
+        listen="127.0.0.1:0",
+        admin_listen="127.0.0.1:0",
+        upstream=upstream_url,
+        access_log=False,
+        **overrides,
+    )
+    server = KvproxyServer(settings, Metrics())
+    await server.start()
+    try:
+        if refresh:
+            await server.state.capacity.refresh_now()
+        yield server
+    finally:
+        await server.stop()
+
+
+async def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Bounded polling for a condition driven by another task; never a timed assertion."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while loop.time() < end:
+        if pred():
+            return True
+        await asyncio.sleep(0.01)
+    return pred()

@@ -1,0 +1,265 @@
+"""The reverse proxy itself: relay fidelity, header hygiene, limits, error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import orjson
+from aiohttp import web
+from kvtest import FakeUpstream, running_proxy, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(content: str = "hi", stream: bool = True, **extra: object) -> bytes:
+    return orjson.dumps(
+        {
+            "model": "m",
+            "stream": stream,
+            "messages": [{"role": "user", "content": content}],
+            **extra,
+        }
+    )
+
+
+def sse_chunks(n: int) -> list[bytes]:
+    out = []
+    for i in range(n):
+        ev = {"id": "x", "choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]}
+        out.append(b"data: " + orjson.dumps(ev) + b"\n\n")
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+def sse_handler(chunks: list[bytes], delay_s: float = 0.0):  # type: ignore[no-untyped-def]
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for c in chunks:
+            await resp.write(c)
+            if delay_s:
+                await asyncio.sleep(delay_s)
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
+async def test_streaming_relay_is_byte_for_byte(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    chunks = sse_chunks(50)
+    upstream.route("POST", CHAT, sse_handler(chunks))
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        body = chat_body()
+        async with http.post(proxy.public_url + CHAT, data=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            assert resp.headers["X-Kvproxy-Decision"] == "admitted"
+            assert int(resp.headers["X-Kvproxy-Prompt-Tokens"]) > 0
+            got = await resp.read()
+    assert got == b"".join(chunks)
+    # The original request bytes were forwarded, not re-serialised.
+    assert upstream.received[0]["body"] == body
+
+
+async def test_non_streaming_body_and_status_pass_through(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    payload = orjson.dumps({"id": "c1", "choices": [{"message": {"content": "ok"}}]})
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            status=201, body=payload, content_type="application/json", headers={"X-Upstream": "yes"}
+        )
+
+    upstream.route("POST", CHAT, handler)
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        async with http.post(proxy.public_url + CHAT, data=chat_body(stream=False)) as resp:
+            assert resp.status == 201
+            assert resp.headers["X-Upstream"] == "yes"
+            assert await resp.read() == payload
+
+
+async def test_hop_by_hop_headers_are_stripped_both_ways(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            text="{}",
+            content_type="application/json",
+            headers={
+                "X-Keep": "1",
+                "Keep-Alive": "timeout=5",
+                "X-Secret-Hop": "no",
+                "Connection": "X-Secret-Hop",
+                "Proxy-Authenticate": "Basic",
+            },
+        )
+
+    upstream.route("GET", "/v1/models", handler)
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        headers = {
+            "X-Custom": "kept",
+            "Connection": "keep-alive, X-Drop-Me",
+            "X-Drop-Me": "1",
+            "Keep-Alive": "timeout=10",
+            "TE": "trailers",
+            "Proxy-Authorization": "Basic abc",
+            "Upgrade": "h2c",
+        }
+        async with http.get(proxy.public_url + "/v1/models", headers=headers) as resp:
+            assert resp.status == 200
+            assert resp.headers["X-Keep"] == "1"
+            for h in ("X-Secret-Hop", "Proxy-Authenticate"):
+                assert h not in resp.headers
+    got = {k.lower() for k in upstream.received[0]["headers"]}
+    assert "x-custom" in got
+    for h in ("x-drop-me", "keep-alive", "te", "proxy-authorization", "upgrade"):
+        assert h not in got
+
+
+async def test_oversize_body_is_413_before_reaching_upstream(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    upstream.route("POST", CHAT, sse_handler(sse_chunks(1)))
+    await upstream.start()
+    async with running_proxy(upstream.url, max_body_bytes=4096) as proxy:
+        big = chat_body("x" * 10_000)
+        async with http.post(proxy.public_url + CHAT, data=big) as resp:
+            assert resp.status == 413
+            err = (await resp.json())["error"]
+            assert err["code"] == "request_too_large"
+            assert resp.headers["X-Kvproxy-Decision"] == "rejected"
+
+        async def chunked():  # type: ignore[no-untyped-def]
+            for _ in range(10):
+                yield b"x" * 1000
+
+        async with http.post(proxy.public_url + CHAT, data=chunked()) as resp:
+            assert resp.status == 413
+    assert upstream.received == []
+
+
+async def test_upstream_refused_is_502_with_json(http: aiohttp.ClientSession) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    async with running_proxy(f"http://127.0.0.1:{dead}") as proxy:
+        async with http.post(proxy.public_url + CHAT, data=chat_body()) as resp:
+            assert resp.status == 502
+            err = (await resp.json())["error"]
+            assert err["code"] == "upstream_unreachable"
+        metrics = await _scrape(http, proxy.admin_url)
+        assert (
+            metrics[("kvproxy_upstream_errors_total", (("outcome", "upstream_unreachable"),))] == 1
+        )
+
+
+async def test_upstream_stall_is_504(upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    release = asyncio.Event()
+
+    async def stall(request: web.Request) -> web.StreamResponse:
+        await asyncio.wait_for(release.wait(), 10)
+        return web.Response(text="late")
+
+    upstream.route("POST", CHAT, stall)
+    await upstream.start()
+    try:
+        async with running_proxy(upstream.url, upstream_read_timeout_s=0.2) as proxy:
+            async with http.post(proxy.public_url + CHAT, data=chat_body()) as resp:
+                assert resp.status == 504
+                assert (await resp.json())["error"]["code"] == "upstream_timeout"
+    finally:
+        release.set()
+
+
+async def test_upstream_reset_mid_stream_ends_the_stream(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    async def reset(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse_chunks(1)[0])
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+    upstream.route("POST", CHAT, reset)
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        async with http.post(proxy.public_url + CHAT, data=chat_body()) as resp:
+            data = await resp.read()
+        # Either the reset came before anything was relayed (a 502 JSON error) or after
+        # (the stream ends with an error event); never a hang or a silent truncation.
+        assert resp.status in (200, 502)
+        assert b'"code":"upstream_' in data
+        assert await wait_until(lambda: proxy.state.inflight == 0)
+
+
+async def test_client_disconnect_mid_stream_leaks_nothing(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    upstream.route("POST", CHAT, sse_handler(sse_chunks(200), delay_s=0.005))
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        tasks_before = len(asyncio.all_tasks())
+        for _ in range(5):
+            resp = await http.post(proxy.public_url + CHAT, data=chat_body())
+            await resp.content.readany()
+            resp.close()  # the client leaves mid-stream
+        assert await wait_until(lambda: proxy.state.inflight == 0)
+        assert await wait_until(lambda: proxy.state.watcher.watched == 0)
+        m = proxy.metrics
+        assert m.client_disconnects.labels("streaming")._value.get() == 5
+        assert m.deferred_total.labels("first_token")._value.get() == 5
+        assert m.deferred_in_progress._value.get() == 0
+        assert await wait_until(lambda: len(asyncio.all_tasks()) <= tasks_before)
+
+
+async def test_metrics_endpoint_parses(upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    upstream.route("POST", CHAT, sse_handler(sse_chunks(3)))
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        async with http.post(proxy.public_url + CHAT, data=chat_body()) as resp:
+            await resp.read()
+        metrics = await _scrape(http, proxy.admin_url)
+    names = {name for name, _ in metrics}
+    for expected in (
+        "kvproxy_requests_total",
+        "kvproxy_request_duration_seconds_bucket",
+        "kvproxy_upstream_ttft_seconds_count",
+        "kvproxy_inflight_requests",
+        "kvproxy_client_disconnects_total",
+        "kvproxy_event_loop_lag_seconds_count",
+        "kvproxy_admission_limit_tokens",
+    ):
+        assert expected in names, expected
+    assert metrics[("kvproxy_requests_total", (("decision", "admitted"), ("route", "chat")))] == 1
+
+
+async def test_healthz_and_readyz(upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        async with http.get(proxy.admin_url + "/healthz") as resp:
+            assert resp.status == 200
+        async with http.get(proxy.admin_url + "/readyz") as resp:
+            assert resp.status == 200
+
+
+async def _scrape(
+    http: aiohttp.ClientSession, admin_url: str
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    async with http.get(admin_url + "/metrics", headers={"Accept-Encoding": "identity"}) as resp:
+        text = await resp.text()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
