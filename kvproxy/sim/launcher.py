@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvproxy.sim.decode import DecodeServer
-from kvproxy.sim.engine import EngineConfig, EngineServer, Faults
+from kvproxy.sim.engine import EngineServer
 from kvproxy.sim.prefill import PrefillServer
 from kvproxy.sim.router import PDRouter
+from kvproxy.sim.state import EngineConfig, Faults
 
 Mode = Literal["vulnerable", "fixed"]
 SimRole = Literal["all", "prefill", "decode"]

@@ -8,7 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import CHAT, chat, running_sim
 
-from kvproxy.sim.engine import EngineConfig, EngineServer
+from kvproxy.sim.engine import EngineServer
+from kvproxy.sim.state import EngineConfig
 
 
 def _samples(text: str) -> dict[str, tuple[str, dict[str, str], float]]:

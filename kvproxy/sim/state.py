@@ -1,0 +1,85 @@
+"""The simulator's settings and ground truth: fixed config, run-time faults, counters.
+
+Owns: ``EngineConfig`` (one engine, fixed at start; the three failure switches live here),
+``Faults`` (knobs changed at run time through ``POST /sim/faults``) and ``EngineStats``
+(the counters behind ``/sim/stats`` that the safety tests assert on).
+
+Independent oracle: never imports kvproxy code outside ``kvproxy/sim``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from kvproxy.sim.limits import EngineError, Flavor
+
+Role = Literal["prefill", "decode"]
+SIM_VERSION = "0.5.21-sim"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = 0
+    flavor: Flavor = "sglang"
+    context_length: int = 8192
+    pool_tokens: int = 16384
+    page_size: int = 16
+    tokenizer: str | None = None
+    model_name: str = "kvproxy-sim"
+    seed: int = 0
+    allow_auto_truncate: bool = False
+    # The three failure modes; True means the engine behaves the vulnerable way.
+    pending_rejection_transfers: bool = True
+    free_on_abort: bool = True
+    failed_send_as_drained: bool = True
+    # Where a decode server finds prefill's bootstrap when the router sends port null.
+    default_bootstrap_port: int = 8998
+    bootstrap_timeout_s: float = 30.0
+
+
+@dataclass
+class Faults:
+    """Run-time knobs; ``POST /sim/faults`` takes any subset of these names."""
+
+    transfer_failure_probability: float = 0.0
+    prefill_us_per_token: float = 40.0
+    transfer_ms_per_page: float = 1.0
+    decode_ms_per_token: float = 1.0
+    # 0: the whole request is one batch (Mooncake's large default, the incident's setting).
+    transfer_batch_pages: int = 0
+    # SGLang's deferred-release timeout is 30 s (PR #35049).
+    abort_ack_timeout_s: float = 30.0
+
+    def update(self, changes: dict[str, Any]) -> None:
+        known = {f.name: f.type for f in fields(self)}
+        for name, value in changes.items():
+            if name not in known:
+                raise EngineError(f"unknown fault {name!r}; known: {sorted(known)}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise EngineError(f"fault {name} must be a number >= 0")
+            if name == "transfer_failure_probability" and value > 1:
+                raise EngineError("transfer_failure_probability must be within [0, 1]")
+        for name, value in changes.items():
+            setattr(self, name, int(value) if name == "transfer_batch_pages" else float(value))
+
+
+@dataclass
+class EngineStats:
+    requests_by_route: Counter[str] = field(default_factory=Counter)
+    transfers_started: int = 0
+    transfers_completed: int = 0
+    transfer_failures: int = 0
+    stale_page_reads: int = 0
+    rejections_at_admission: int = 0
+    pending_rejections: int = 0
+    aborts: int = 0
+    abort_acks: int = 0
+    abort_ack_timeouts: int = 0
+    bootstrap_failures: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
