@@ -11,6 +11,9 @@ import json
 import random
 
 MODEL = "bench"
+# Every request carries this bearer token: LiteLLM refuses to start without a master key,
+# and the other targets forward or ignore it, so all of them see the same header set.
+API_KEY = "sk-bench-5f0c1d2e3a4b5c6d7e8f9a0b1c2d3e4f"
 KIB = 1024
 MIB = 1024 * KIB
 

@@ -74,11 +74,12 @@ PROFILES = {
 
 def _versions() -> dict[str, str]:
     out = {}
-    for pkg in ("kvproxy", "aiohttp", "uvloop", "tokenizers", "prometheus-client", "litellm"):
+    for pkg in ("kvproxy", "aiohttp", "uvloop", "tokenizers", "prometheus-client"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "not installed"
+    out["litellm"] = _peer_version("litellm")
     out["nginx"] = procstat.tool_version("nginx")
     out["wrk"] = procstat.tool_version("wrk")
     git = subprocess.run(
@@ -99,26 +100,36 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _peer_version(pkg: str) -> str:
+    pip = targets.PEERS_VENV / "bin" / "pip"
+    if not pip.exists():
+        return "not installed"
+    done = subprocess.run([str(pip), "show", pkg], capture_output=True, text=True, check=False)
+    for line in done.stdout.splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip() + " (bench/out/peers-venv)"
+    return "not installed"
+
+
 def install_litellm() -> str | None:
-    """`pip install 'litellm[proxy]'` into this venv; None on success, else why not."""
+    """`pip install 'litellm[proxy]'` into bench/out/peers-venv (once); None on success,
+    else why not."""
     if targets.litellm_available() is None:
         return None
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--disable-pip-version-check",
-        "litellm[proxy]",
-    ]
-    print("installing litellm[proxy] into the venv (bench-peers only)", flush=True)
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    except subprocess.TimeoutExpired:
-        return "pip install litellm[proxy] timed out after 600 s"
-    if done.returncode != 0:
-        return "pip install litellm[proxy] failed: " + done.stderr.strip()[-300:]
+    venv = targets.PEERS_VENV
+    print(f"installing litellm[proxy] into {venv} (bench-peers only)", flush=True)
+    steps = [
+        [sys.executable, "-m", "venv", str(venv)],
+        [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+         "litellm[proxy]"],
+    ]  # fmt: skip
+    for cmd in steps:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        except subprocess.TimeoutExpired:
+            return f"{shlex.join(cmd)} timed out after 900 s"
+        if done.returncode != 0:
+            return f"{shlex.join(cmd)} failed: " + done.stderr.strip()[-300:]
     return targets.litellm_available()
 
 
@@ -346,7 +357,6 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "mode": args.mode,
         "machine": procstat.machine(),
-        "versions": _versions(),
         "load_start": procstat.load_average(),
     }
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
@@ -376,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         results["notes"] = bench.notes
     meta["wall_s"] = time.monotonic() - started
     meta["load_end"] = procstat.load_average()
+    meta["versions"] = _versions()
     meta["commands"] = commands(meta)
     md_path, json_path = report.write(results, args.out)
     bench.log(f"wrote {md_path} and {json_path}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nginx
+from payloads import API_KEY
 from servers import Managed, StartError, free_port, wait_http, wait_port
 
 BENCH = Path(__file__).resolve().parent
@@ -192,7 +193,7 @@ def litellm_starter(limit_tokens: int) -> Callable[[Upstream, Path], Running]:
         port = free_port()
         cfg = workdir / f"litellm-{port}.yaml"
         cfg.write_text(LITELLM_CONFIG.format(upstream=up.url, limit=limit_tokens))
-        exe = str(Path(PY).with_name("litellm"))
+        exe = str(LITELLM_EXE)
         cmd = [
             exe,
             "--config",
@@ -206,6 +207,7 @@ def litellm_starter(limit_tokens: int) -> Callable[[Upstream, Path], Running]:
         ]
         env = {
             "LITELLM_LOG": "ERROR",
+            "LITELLM_MASTER_KEY": API_KEY,
             "LITELLM_TELEMETRY": "False",
             "NO_DOCS": "True",
             "DISABLE_ADMIN_UI": "True",
@@ -223,11 +225,16 @@ def litellm_starter(limit_tokens: int) -> Callable[[Upstream, Path], Running]:
     return start
 
 
+# LiteLLM lives in its own venv under bench/out/: its dependency pins (openai, pydantic,
+# tokenizers, ...) must not move the project's venv under everyone else's feet.
+PEERS_VENV = BENCH / "out" / "peers-venv"
+LITELLM_EXE = PEERS_VENV / "bin" / "litellm"
+
+
 def litellm_available() -> str | None:
     """None when the litellm proxy can be started, else why not."""
-    exe = Path(PY).with_name("litellm")
-    if not exe.exists():
-        return "litellm is not installed in the venv"
-    if not os.access(exe, os.X_OK):
-        return f"{exe} is not executable"
+    if not LITELLM_EXE.exists():
+        return f"litellm is not installed in {PEERS_VENV}"
+    if not os.access(LITELLM_EXE, os.X_OK):
+        return f"{LITELLM_EXE} is not executable"
     return None

@@ -21,7 +21,7 @@ from typing import Any
 
 import procstat
 import scrape
-from payloads import long_chat_body, small_chat_body
+from payloads import API_KEY, long_chat_body, small_chat_body
 from targets import Running
 from wrk_driver import WrkResult, run_wrk
 
@@ -57,9 +57,12 @@ def _conn(url: str, timeout_s: float) -> http.client.HTTPConnection:
 def _exchange(
     conn: http.client.HTTPConnection, body: bytes, tenant: str
 ) -> tuple[int, dict[str, str], bytes]:
-    conn.request(
-        "POST", CHAT_PATH, body, {"Content-Type": "application/json", "X-Tenant-ID": tenant}
-    )
+    headers = {
+        "Content-Type": "application/json",
+        "X-Tenant-ID": tenant,
+        "Authorization": f"Bearer {API_KEY}",
+    }
+    conn.request("POST", CHAT_PATH, body, headers)
     resp = conn.getresponse()
     data = resp.read()
     return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data

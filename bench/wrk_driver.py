@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from payloads import API_KEY
 from procstat import pin_prefix
 
 MARK = "WRKJSON "
@@ -30,7 +31,8 @@ local n = 0
 init = function(args)
   for _, t in ipairs(tenants) do
     reqs[#reqs + 1] = wrk.format("POST", path,
-      {["Content-Type"] = "application/json", ["X-Tenant-ID"] = t}, body)
+      {["Content-Type"] = "application/json", ["X-Tenant-ID"] = t,
+       ["Authorization"] = "Bearer %(key)s"}, body)
   end
 end
 
@@ -96,6 +98,7 @@ def lua_script(body: bytes, path: str, tenants: tuple[str, ...], delay_ms: int =
         "tenants": ", ".join(f'"{t}"' for t in tenants),
         "delay": delay,
         "mark": MARK,
+        "key": API_KEY,
     }
 
 
