@@ -427,6 +427,8 @@ def method_lines(pinned: bool, bench: Bench) -> list[str]:
         "after another; loop lag from kvproxy's kvproxy_event_loop_lag_seconds histogram "
         "delta (p99 interpolated as histogram_quantile does).",
         "Memory: VmRSS after 20 small requests; peak = VmHWM after four concurrent 4 MB prompts.",
+        "kvproxy stays pinned to CPU 0 in every phase, so its tokenizer threads share one core "
+        "(a sidecar with a 1-CPU limit); the 4 MB exact count would be faster with two.",
         f"Rounds: {bench.rounds}; each figure is the median over rounds; target order rotated "
         "per round; every target restarted per workload.",
     ]
