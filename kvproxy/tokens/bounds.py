@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 BoundRule = Literal["bytes", "nfc"]
@@ -45,7 +45,7 @@ WINDOW_CHARS = 16_384
 NFC_MAX_EXPANSION = 3
 
 EXACT_CUT = re.compile(r"(?<=\S\n)(?=[A-Za-z])|(?<=[A-Za-z])(?= [A-Za-z])")
-EXACT_CHUNK_CHARS = 65_536
+EXACT_CHUNK_CHARS = 32_768
 
 # Without the model's chat template (facts file: covers every measured model with >= 1.6x
 # margin): a fixed frame plus a per-message frame, and a tools preamble.
@@ -137,3 +137,55 @@ def chat_overhead_bound(messages: int, tools_bound: int | None) -> int:
     if tools_bound is not None:
         extra = CHAT_TOOLS_TOKENS + TOOLS_INDENT_FACTOR * tools_bound
     return CHAT_BASE_TOKENS + CHAT_PER_MESSAGE_TOKENS * messages + extra
+
+
+def segments_bound(segments: Sequence[str], rule: BoundRule) -> int:
+    """Bound of the concatenation of `segments`, without building it.
+
+    Where a segment does not begin at an NFC boundary, NFC may act across the join, so the
+    segments on both sides are grouped and the group is charged 3 x bytes: a safe bound for
+    any string, whatever NFC does inside it.
+    """
+    if rule == "bytes":
+        return sum(utf8_len(s) for s in segments)
+    total = 0
+    group: list[str] = []
+    for seg in segments:
+        if not seg:
+            continue
+        if group and NFC_BOUNDARY.match(seg) is None:
+            group.append(seg)
+            continue
+        total += _group_bound(group, rule)
+        group = [seg]
+    return total + _group_bound(group, rule)
+
+
+def _group_bound(group: list[str], rule: BoundRule) -> int:
+    if len(group) == 1:
+        return text_bound(group[0], rule)
+    return NFC_MAX_EXPANSION * sum(utf8_len(s) for s in group)
+
+
+def segment_chunks(segments: Sequence[str], chunk_chars: int = EXACT_CHUNK_CHARS) -> Iterator[str]:
+    """`exact_chunks` of the concatenation of `segments`, never building it whole.
+
+    Cuts are made only inside a segment, at least two characters in, so that the cut rule's
+    look-behind sees that segment's own text; short segments ride along with their
+    neighbours in a carried piece.
+    """
+    carry: list[str] = []
+    carried = 0
+    for seg in segments:
+        n = len(seg)
+        pos = 0
+        cut = _next_match_start(EXACT_CUT, seg, max(2, chunk_chars - carried), n) if n > 2 else n
+        while cut < n:
+            carry.append(seg[pos:cut])
+            yield "".join(carry)
+            carry, carried, pos = [], 0, cut
+            cut = _next_match_start(EXACT_CUT, seg, pos + chunk_chars, n)
+        carry.append(seg[pos:])
+        carried += n - pos
+    if carried:
+        yield "".join(carry)

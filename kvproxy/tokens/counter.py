@@ -27,6 +27,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -50,6 +52,8 @@ INLINE_MESSAGES = 64
 # Special tokens a post-processor may add to a text sequence when the tokenizer is unknown
 # (GLM-4 adds 2, Llama-3 1), plus one for a ByteLevel prefix space.
 UNKNOWN_SPECIAL_TOKENS = 8
+# Niceness of the counting threads (only ever raised: needs no privilege).
+WORKER_NICE = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +72,8 @@ class _Plan:
     seq: SequencePrompt
     chat: bool
     bound: int
-    # Tokenized by an exact count: the rendered template, or the raw strings.
+    # Tokenized by an exact count: the rendered template's segments (one text), or the raw
+    # strings (each its own text).
     texts: tuple[str, ...]
     rendered: bool
     # Added to any exact count: ids, media, specials, joins.
@@ -111,7 +116,9 @@ class TokenCounter:
         self._concurrency = count_concurrency
         self._sem = asyncio.Semaphore(count_concurrency)
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=count_concurrency, thread_name_prefix="kvproxy-count"
+            max_workers=count_concurrency,
+            thread_name_prefix="kvproxy-count",
+            initializer=_lower_thread_priority,
         )
         self._description = description
         self.method: CountMethod = "exact" if local else ("engine" if engine else "bound")
@@ -199,12 +206,12 @@ class TokenCounter:
     def _plan_chat(self, seq: SequencePrompt) -> _Plan:
         media = self._media(seq)
         if self._template is not None:
-            rendered = self._template.render(seq)
+            segments = self._template.render_segments(seq)
             joins = joined_parts(seq)
             fixed = media + joins
-            bound = bounds.text_bound(rendered, self._rule) + fixed
+            bound = bounds.segments_bound(segments, self._rule) + fixed
             exact = joins == 0 and media == 0
-            return _Plan(seq, True, bound, (rendered,), True, fixed, exact)
+            return _Plan(seq, True, bound, segments, True, fixed, exact)
         texts = (*seq.texts, seq.template_kwargs_json)
         tools = bounds.text_bound(seq.tools_json, self._rule) if seq.tools else None
         overhead = bounds.chat_overhead_bound(seq.message_count, tools)
@@ -217,14 +224,18 @@ class TokenCounter:
         assert self._local is not None
         out = []
         for p in plans:
-            n = self._local.count(p.texts) + p.fixed
+            if p.rendered:
+                n, exact = self._local.count_segments(p.texts)
+            else:
+                n, exact = self._local.count(p.texts)
+            n += p.fixed
             if p.chat and not p.rendered:
-                tools = self._local.count((p.seq.tools_json,)) if p.seq.tools else None
+                tools = self._local.count((p.seq.tools_json,))[0] if p.seq.tools else None
                 n += bounds.chat_overhead_bound(p.seq.message_count, tools)
             elif not p.chat and p.texts:
                 # The plan charged the unknown-tokenizer specials; use this tokenizer's own.
                 n += self._local.special_tokens - self._specials
-            out.append((n, p.exact))
+            out.append((n, p.exact and exact))
         return out
 
     async def _exact_engine(self, plan: _Plan) -> tuple[int, bool]:
@@ -240,7 +251,9 @@ class TokenCounter:
                 specials = self._specials if plan.texts else 0
                 return sum(counts) + plan.fixed - specials, plan.exact
             if plan.rendered:
-                req = EngineTokenizeRequest(prompt=plan.texts[0], add_special_tokens=False)
+                # Joining a multi-megabyte render is a long GIL-holding copy: not on the loop.
+                prompt = await asyncio.to_thread("".join, plan.texts)
+                req = EngineTokenizeRequest(prompt=prompt, add_special_tokens=False)
                 return await engine(req) + plan.fixed, plan.exact
             if engine.accepts_messages:
                 seq = plan.seq
@@ -277,6 +290,16 @@ def _guarded(fn: Callable[..., T], *args: Any) -> T:
         raise
     except BaseException as exc:  # tiktoken panics are BaseException, not Exception
         raise _WorkerFailed(type(exc).__name__) from None
+
+
+def _lower_thread_priority() -> None:
+    """Workers yield the CPU to the event loop thread (Linux: nice applies per thread).
+
+    On a 2-core pod a busy count thread otherwise shares a core with the loop and the
+    scheduler can hold the loop back for a whole time slice (measured: 15-40 ms ticks).
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
 
 
 def _release_from_thread(

@@ -20,22 +20,68 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvproxy.tokens.bounds import EXACT_CHUNK_CHARS, BoundRule, exact_chunks
+from kvproxy.tokens.bounds import (
+    EXACT_CHUNK_CHARS,
+    NFC_MAX_EXPANSION,
+    BoundRule,
+    exact_chunks,
+    segment_chunks,
+    text_bound,
+)
 from kvproxy.tokens.templates import ChatTemplate, from_tokenizer_dir_files
 
-# Chunks handed to the tokenizer per call: ~4 MB of text, ~300 MB peak in HF.
-BATCH_CHUNKS = 64
+# Chunks per tokenizer call (~256 K characters): the call still runs in parallel, and
+# freeing its results (HF keeps a Python-owned Encoding per chunk, one String per token)
+# happens with the GIL held, so a batch must stay small: 4 MB at once froze the loop 40 ms.
+BATCH_CHUNKS = 8
+# Largest bound of one uncuttable chunk that is still encoded (see _Tally): ~6 ms to free.
+UNCUT_TOKENS_MAX = 524_288
 # cl100k/o200k-era split regex (also Qwen's tiktoken files): tiktoken files carry ranks only.
 TIKTOKEN_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+
+
+# (tokens, exact): exact is False when an uncuttable stretch was charged its bound instead.
+Counted = tuple[int, bool]
+
+
+class _Tally:
+    """Sums chunk counts; charges an uncuttable giant chunk its bound instead of encoding it.
+
+    The tokenizer's result objects are freed with the GIL held (HF: one Rust String per
+    token, ~11 ms per million; tiktoken: a list of ints). Chunks are small wherever the text
+    can be cut; a stretch that cannot be cut and whose bound exceeds UNCUT_TOKENS_MAX
+    (hostile: 1 M spaces, 400 K x U+0F73) is charged its guaranteed bound, which keeps I1.
+    """
+
+    def __init__(self, rule: BoundRule | None) -> None:
+        self.rule = rule
+        self.tokens = 0
+        self.exact = True
+
+    def oversized(self, chunk: str) -> bool:
+        # Up to 4 UTF-8 bytes per character, times the NFC factor: below that, no check needed.
+        if self.rule is None or len(chunk) * 4 * NFC_MAX_EXPANSION <= UNCUT_TOKENS_MAX:
+            return False
+        bound = text_bound(chunk, self.rule)
+        if bound <= UNCUT_TOKENS_MAX:
+            return False
+        self.tokens += bound
+        self.exact = False
+        return True
+
+    @property
+    def result(self) -> Counted:
+        return self.tokens, self.exact
 
 
 class LocalTokenizer(Protocol):
@@ -47,8 +93,12 @@ class LocalTokenizer(Protocol):
     special_tokens: int
     template: ChatTemplate | None
 
-    def count(self, texts: Sequence[str]) -> int:
+    def count(self, texts: Sequence[str]) -> Counted:
         """Tokens of each text encoded without special tokens, summed. Thread, no GIL."""
+        ...
+
+    def count_segments(self, segments: Sequence[str]) -> Counted:
+        """Tokens of the concatenation of `segments` (a rendered chat), without specials."""
         ...
 
     def describe(self) -> str: ...
@@ -64,12 +114,20 @@ class HfTokenizer:
     origin: str
     chunk_chars: int = EXACT_CHUNK_CHARS
 
-    def count(self, texts: Sequence[str]) -> int:
-        total = 0
-        for batch in _batches(self._chunks(texts)):
+    def count(self, texts: Sequence[str]) -> Counted:
+        return self._encode(self._chunks(texts))
+
+    def count_segments(self, segments: Sequence[str]) -> Counted:
+        if self.chunkable:
+            return self._encode(segment_chunks(segments, self.chunk_chars))
+        return self._encode(iter(("".join(segments),)))
+
+    def _encode(self, chunks: Iterator[str]) -> Counted:
+        tally = _Tally(self.bound_rule)
+        for batch in _batches(c for c in chunks if not tally.oversized(c)):
             encodings = self.tokenizer.encode_batch_fast(batch, add_special_tokens=False)
-            total += sum(len(e) for e in encodings)
-        return total
+            tally.tokens += sum(len(e) for e in encodings)
+        return tally.result
 
     def _chunks(self, texts: Sequence[str]) -> Iterator[str]:
         for t in texts:
@@ -93,16 +151,21 @@ class TiktokenTokenizer:
     bound_rule: BoundRule | None = "bytes"  # byte-level BPE, no normalizer
     special_tokens: int = 0
 
-    def count(self, texts: Sequence[str]) -> int:
+    def count(self, texts: Sequence[str]) -> Counted:
+        return self._encode(c for t in texts if t for c in exact_chunks(t))
+
+    def count_segments(self, segments: Sequence[str]) -> Counted:
+        return self._encode(segment_chunks(segments))
+
+    def _encode(self, chunks: Iterable[str]) -> Counted:
         # One chunk per call: `encode` runs in Rust without the GIL; `encode_batch` would
         # start a thread pool per call. Special-token text counts as the special token, as
         # HF tokenizers do.
-        return sum(
-            len(self.encoding.encode(c, allowed_special="all"))
-            for t in texts
-            if t
-            for c in exact_chunks(t)
-        )
+        tally = _Tally(self.bound_rule)
+        for c in chunks:
+            if not tally.oversized(c):
+                tally.tokens += len(self.encoding.encode(c, allowed_special="all"))
+        return tally.result
 
     def describe(self) -> str:
         return f"tiktoken {self.origin} (byte bound: bytes)"
@@ -124,6 +187,9 @@ def _batches(chunks: Iterator[str]) -> Iterator[list[str]]:
 
 def load_hf(path: str | Path) -> HfTokenizer:
     """A tokenizer.json, a tokenizer.json.zip, or a directory holding either (+ config)."""
+    # One core per count (count_concurrency counts run at once): HF's own thread pool would
+    # take every core, including the event loop's. An operator's explicit setting wins.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import Tokenizer
 
     p = Path(path)

@@ -10,6 +10,16 @@ Content parts are flattened the way vLLM does for string-content templates: text
 joined with a newline. Media parts render as nothing here; the counter charges their
 configured token cost instead.
 
+Big strings (>= BIG_CHARS) are rendered as *placeholders*: the template sees a short marker
+that answers `len`, `in`, `startswith`, `endswith` and `==` from the real text, and the
+output comes back as segments (frame, content, frame, ...). A plain render of a 4 MB
+message copies it several times in C calls that hold the GIL for 10-50 ms each, stalling
+the event loop from a worker thread; with placeholders the render costs only its frame, and
+the counter bounds and tokenizes the segments without ever joining them. Any operation that
+would need the real text (slicing, `trim`, `replace`, `indent`, `tojson` of a message, a
+method call) raises inside the render and the template is rendered plainly instead: the
+fast path is an optimisation, never a different answer.
+
 Render failures (a template's `raise_exception`, a missing field) become a 400 without the
 template's message, which may quote the conversation (I8). This module never logs.
 """
@@ -17,7 +27,10 @@ template's message, which may quote the conversation (I8). This module never log
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +42,11 @@ from kvproxy.errors import invalid_request
 from kvproxy.prompt import SequencePrompt
 
 TEMPLATE_FILES = ("chat_template.jinja",)
+# Strings at least this long are rendered as placeholders (see module docstring).
+BIG_CHARS = 65_536
+# Filters that never look inside a string: everything else refuses a placeholder.
+_PLACEHOLDER_SAFE_FILTERS = frozenset({"length", "count", "string", "default", "d", "tojson"})
+_PROXIED = frozenset({"startswith", "endswith", "find", "rfind", "count", "isspace"})
 _RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
@@ -36,14 +54,18 @@ class ChatTemplate:
     """A compiled chat template plus the special-token strings it may print."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = ""):
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
+        self._marker = "\ue000" + secrets.token_hex(8)
+        env = _environment(jinja2.sandbox.ImmutableSandboxedEnvironment)
+        guarded = _environment(_GuardedEnvironment)
+        guarded.marker = self._marker
+        for name, f in list(guarded.filters.items()):
+            if name not in _PLACEHOLDER_SAFE_FILTERS:
+                guarded.filters[name] = _refuse_placeholders(f, self._marker)
+        guarded.filters["tojson"] = _guarded_tojson(self._marker)
+        self._marker_re = re.compile(re.escape(self._marker) + r"(\d+)\ue001")
         try:
             self._template = env.from_string(source)
+            self._guarded = guarded.from_string(source)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template {origin or ''} does not compile: {exc}") from None
         self.bos_token = bos_token
@@ -62,18 +84,72 @@ class ChatTemplate:
 
     def render(self, seq: SequencePrompt) -> str:
         """The exact prompt string the engine tokenizes for this chat sequence."""
+        return self._render(self._template, seq, [_flatten(m) for m in seq.messages])
+
+    def render_segments(self, seq: SequencePrompt) -> tuple[str, ...]:
+        """The same prompt as segments whose concatenation equals `render(seq)`."""
+        messages = [_flatten(m) for m in seq.messages]
+        reals: list[str] = []
+        marked = [self._mark(m, reals) for m in messages]
+        if not reals:
+            return (self._render(self._template, seq, messages),)
+        try:
+            out = self._render(self._guarded, seq, marked)
+            return self._splice(out, reals)
+        except _NeedsReal:
+            return (self._render(self._template, seq, messages),)
+
+    def _mark(self, message: dict[str, Any], reals: list[str]) -> dict[str, Any]:
+        out = dict(message)
+        for key, value in message.items():
+            if isinstance(value, str) and len(value) >= BIG_CHARS:
+                out[key] = _Placeholder(f"{self._marker}{len(reals)}\ue001", value)
+                reals.append(value)
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and any(_big_arguments(c) for c in calls):
+            out["tool_calls"] = [self._mark_call(c, reals) for c in calls]
+        return out
+
+    def _mark_call(self, call: Any, reals: list[str]) -> Any:
+        if not _big_arguments(call):
+            return call
+        fn = dict(call["function"])
+        fn["arguments"] = _Placeholder(f"{self._marker}{len(reals)}\ue001", fn["arguments"])
+        reals.append(call["function"]["arguments"])
+        return {**call, "function": fn}
+
+    def _splice(self, out: str, reals: list[str]) -> tuple[str, ...]:
+        parts = self._marker_re.split(out)
+        # parts: frame, index, frame, index, ..., frame
+        segments: list[str] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                segments.append(reals[int(part)])
+            elif self._marker in part:  # a marker was cut or altered: do not trust the splice
+                raise _NeedsReal
+            elif part:
+                segments.append(part)
+        if len(parts) // 2 != len(reals):  # a placeholder was dropped: maybe transformed
+            raise _NeedsReal
+        return tuple(segments)
+
+    def _render(
+        self, template: jinja2.Template, seq: SequencePrompt, messages: list[dict[str, Any]]
+    ) -> str:
         kwargs: dict[str, Any] = {
             k: v for k, v in seq.template_kwargs.items() if k not in _RESERVED
         }
         try:
-            return self._template.render(
+            return template.render(
                 **kwargs,
-                messages=[_flatten(m) for m in seq.messages],
+                messages=messages,
                 tools=list(seq.tools) if seq.tools else None,
                 add_generation_prompt=seq.add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
+        except _NeedsReal:
+            raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError,
                 IndexError, RecursionError):  # fmt: skip
             raise invalid_request(
@@ -81,6 +157,110 @@ class ChatTemplate:
                 "(check roles, their order and required fields)",
                 "messages",
             ) from None
+
+
+def _environment(cls: type[jinja2.sandbox.ImmutableSandboxedEnvironment]) -> Any:
+    env = cls(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class _NeedsReal(Exception):
+    """The template wants to look inside a placeholder: render it plainly instead."""
+
+
+class _Placeholder(str):
+    """A marker standing for a big string; answers only questions that need no copy."""
+
+    real: str
+
+    def __new__(cls, marker: str, real: str) -> _Placeholder:
+        obj = super().__new__(cls, marker)
+        obj.real = real
+        return obj
+
+    def __len__(self) -> int:
+        return len(self.real)
+
+    def __contains__(self, item: object) -> bool:
+        return isinstance(item, str) and item in self.real
+
+    def __eq__(self, other: object) -> bool:
+        return self.real == (other.real if isinstance(other, _Placeholder) else other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.real)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _PROXIED:
+            return getattr(object.__getattribute__(self, "real"), name)
+        if name.startswith("__") or name == "real":
+            return object.__getattribute__(self, name)
+        raise _NeedsReal
+
+    def _refuse(self, *_: object) -> Any:
+        raise _NeedsReal
+
+    __getitem__ = __iter__ = __mod__ = __mul__ = __rmul__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = _refuse
+
+
+class _GuardedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Refuses attribute access, indexing and calls that touch a placeholder's marker."""
+
+    marker = "\ue000"
+
+    def _marked(self, value: Any) -> bool:
+        return isinstance(value, str) and self.marker in value
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if self._marked(obj):
+            if isinstance(obj, _Placeholder) and attribute in _PROXIED:
+                return getattr(obj.real, attribute)
+            raise _NeedsReal
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        if self._marked(obj):
+            raise _NeedsReal
+        return super().getitem(obj, argument)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(__self._marked(a) for a in (*args, *kwargs.values())):
+            raise _NeedsReal
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _refuse_placeholders(f: Any, marker: str) -> Any:
+    @functools.wraps(f)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, str) and marker in a:
+                raise _NeedsReal
+        return f(*args, **kwargs)
+
+    return guarded
+
+
+def _guarded_tojson(marker: str) -> Any:
+    def tojson(value: Any, *args: Any, **kwargs: Any) -> str:
+        out = _tojson(value, *args, **kwargs)
+        if marker in out:  # json would quote the marker, not the text
+            raise _NeedsReal
+        return out
+
+    return tojson
+
+
+def _big_arguments(call: Any) -> bool:
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    return isinstance(args, str) and len(args) >= BIG_CHARS
 
 
 def flattened_messages(seq: SequencePrompt) -> list[dict[str, Any]]:

@@ -79,7 +79,7 @@ def test_chunked_count_equals_whole(
     name: str, text: str, hf_tokenizers: dict[str, HfTokenizer], whole_count: WholeCount
 ) -> None:
     tok = hf_tokenizers[name]
-    assert _fine(tok).count((text,)) == whole_count(tok, text)
+    assert _fine(tok).count((text,)) == (whole_count(tok, text), True)
 
 
 def _prose(n_chars: int, seed: int = 7) -> str:
@@ -125,7 +125,12 @@ ADVERSARIAL_FULL = {
 def _check_text(tok: HfTokenizer, text: str, whole_count: WholeCount) -> None:
     exact = whole_count(tok, text)
     assert exact <= _bound(tok, text)
-    assert tok.count((text,)) == exact  # production chunking (64 K characters)
+    counted, is_exact = tok.count((text,))  # production chunking
+    if is_exact:
+        assert counted == exact
+    else:  # an uncuttable giant stretch was charged its bound: still an upper bound (I1)
+        assert len(text) > 40_000
+        assert counted >= exact
 
 
 @pytest.mark.parametrize("name", NAMES)

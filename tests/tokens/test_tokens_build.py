@@ -1,0 +1,108 @@
+"""build_counter: every KVPROXY_TOKENIZER form, template precedence, config errors."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from kvproxy.config import ConfigError, EngineSpec, Settings
+from kvproxy.prompt import parse_request
+from kvproxy.tokens import build_counter
+from kvproxy.tokens.engine import EngineTokenizer
+from kvproxy.tokens.testing import package_data_dir, real_tokenizer_dir
+
+CHAT = orjson.dumps({"messages": [{"role": "user", "content": "Hello there, world"}]})
+
+
+async def test_bytes_mode_says_it_rejects_legal_prompts() -> None:
+    c = build_counter(Settings(tokenizer="bytes"))
+    try:
+        assert "rejects some legal prompts" in c.describe()
+        got = await c.count(parse_request("chat", CHAT), 10)
+        assert got.method == "bound"
+    finally:
+        await c.aclose()
+
+
+@pytest.mark.parametrize("form", ["dir", "file", "zip"])
+async def test_hf_forms(form: str) -> None:
+    d = real_tokenizer_dir("qwen-3")
+    path = {
+        "dir": d,
+        "file": d / "tokenizer.json",
+        "zip": package_data_dir("qwen-3") / "tokenizer.json.zip",
+    }[form]
+    c = build_counter(Settings(tokenizer=f"hf:{path}"))
+    try:
+        got = await c.count(parse_request("chat", CHAT), 0)
+    finally:
+        await c.aclose()
+    assert got.method == "exact"
+    # The template comes from tokenizer_config.json next to the tokenizer in every form.
+    assert got.exact
+    assert got.tokens > 5
+
+
+async def test_explicit_template_wins(tmp_path: Path) -> None:
+    tmpl = tmp_path / "t.jinja"
+    tmpl.write_text("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    c = build_counter(
+        Settings(tokenizer=f"hf:{real_tokenizer_dir('glm-4')}", chat_template=str(tmpl))
+    )
+    try:
+        got = await c.count(parse_request("chat", CHAT), 0)
+    finally:
+        await c.aclose()
+    assert got.tokens == 4  # "Hello", " there", ",", " world": no template frame
+
+
+async def test_tiktoken_file(tmp_path: Path) -> None:
+    # A tiny rank file: all single bytes, then a few merges.
+    ranks = [bytes([i]) for i in range(256)] + [b"he", b"ll", b"llo", b"hello", b" w", b" wo"]
+    path = tmp_path / "tiny.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    c = build_counter(Settings(tokenizer=f"tiktoken:{path}"))
+    try:
+        shape = parse_request("completions", b'{"prompt": "hello wo"}')
+        got = await c.count(shape, 0)
+        big = parse_request("completions", orjson.dumps({"prompt": "hello world\n" * 20_000}))
+        got_big = await c.count(big, 0)
+    finally:
+        await c.aclose()
+    assert (got.tokens, got.method) == (2, "exact")
+    assert got_big.tokens == 20_000 * 6  # hello, " wo", r, l, d, \n
+    assert "tiktoken" in c.describe()
+
+
+async def test_engine_mode_needs_an_engine_and_a_session() -> None:
+    with pytest.raises(ConfigError, match="KVPROXY_TOKENIZER"):
+        build_counter(Settings(tokenizer="engine"))
+    engines = (
+        EngineSpec(url="http://127.0.0.1:1", role="decode", kind="vllm"),
+        EngineSpec(url="http://127.0.0.1:2", role="prefill", kind="sglang"),
+    )
+    s = Settings(tokenizer="engine", engines=engines)
+    with pytest.raises(ConfigError):
+        build_counter(s)
+    async with aiohttp.ClientSession() as session:
+        c = build_counter(s, session=session, capacity=object())
+        try:
+            assert "127.0.0.1:2/tokenize" in c.describe()  # a prefill engine first
+            engine = c._engine
+            assert isinstance(engine, EngineTokenizer)
+            assert engine.kind == "sglang"
+        finally:
+            await c.aclose()
+
+
+def test_bad_paths_are_one_line_config_errors(tmp_path: Path) -> None:
+    for spec in (f"hf:{tmp_path / 'missing'}", f"tiktoken:{tmp_path / 'missing'}"):
+        with pytest.raises(ConfigError) as info:
+            build_counter(Settings(tokenizer=spec))
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError):
+        build_counter(Settings(tokenizer="bytes", chat_template=str(tmp_path / "nope.jinja")))

@@ -1,0 +1,148 @@
+"""The event loop keeps serving while a 4 MB (~1 M-token) prompt is counted exactly, and
+hostile bodies get a decision or a clear 4xx without stalling it.
+
+Lag is measured by the proxy's own LoopLagMonitor (a 5 ms ticker recording how late it
+wakes) into `kvproxy_event_loop_lag_seconds`; the assertion is on that histogram: no tick
+may land in a bucket above 20 ms while the count runs. Wall time is never asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import orjson
+import pytest
+
+from kvproxy.config import Settings
+from kvproxy.errors import KvproxyError
+from kvproxy.metrics import Metrics
+from kvproxy.prompt import parse_request
+from kvproxy.tokens import TokenCount, TokenCounter, build_counter
+from kvproxy.tokens.testing import real_tokenizer_dir
+from kvproxy.watch import LoopLagMonitor
+
+T = TypeVar("T")
+LAG_LIMIT_S = 0.02
+SMALL = parse_request("chat", b'{"messages": [{"role": "user", "content": "hi"}]}')
+
+
+def _prose_4mb() -> str:
+    rng = random.Random(11)
+    words = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with",
+             "as", "by", "at", "from", "café", "naïve", "中文", "it's", "42"]  # fmt: skip
+    lines = [" ".join(rng.choices(words, k=rng.randint(3, 16))) for _ in range(90_000)]
+    text = "\n".join(lines)
+    assert 3_500_000 < len(text.encode()) < 4_500_000
+    return text
+
+
+@pytest.fixture(scope="module")
+def qwen_dir() -> str:
+    return str(real_tokenizer_dir("qwen-3"))
+
+
+@pytest.fixture
+async def counter(qwen_dir: str) -> AsyncIterator[TokenCounter]:
+    c = build_counter(Settings(tokenizer=f"hf:{qwen_dir}", count_timeout_s=60))
+    yield c
+    await c.aclose()
+
+
+def _ticks_over(metrics: Metrics, limit_s: float) -> tuple[float, float]:
+    name = "kvproxy_event_loop_lag_seconds"
+    total = metrics.registry.get_sample_value(f"{name}_count") or 0.0
+    within = metrics.registry.get_sample_value(f"{name}_bucket", {"le": str(limit_s)}) or 0.0
+    return total, total - within
+
+
+async def _while_watching(work: Callable[[], Awaitable[T]]) -> tuple[T, Metrics, int]:
+    """Run `work` under a lag monitor while small requests keep being decided."""
+    metrics = Metrics()
+    monitor = LoopLagMonitor(metrics, tick_s=0.005)
+    served = 0
+    stop = asyncio.Event()
+    counter_small = TokenCounter(bound_rule="nfc")
+
+    async def small_requests() -> None:
+        nonlocal served
+        for _ in range(100_000):  # bounded; ends when the big count does
+            if stop.is_set():
+                return
+            got = await counter_small.count(SMALL, 10**6)
+            assert got.method == "bound"
+            served += 1
+            await asyncio.sleep(0.002)
+
+    monitor.start()
+    side = asyncio.create_task(small_requests())
+    try:
+        result = await work()
+    finally:
+        stop.set()
+        await side
+        await monitor.stop()
+        await counter_small.aclose()
+    return result, metrics, served
+
+
+async def test_4mb_chat_counted_exactly_while_the_loop_keeps_serving(
+    counter: TokenCounter,
+) -> None:
+    body = orjson.dumps({"messages": [{"role": "user", "content": _prose_4mb()}]})
+    shape = parse_request("chat", body)
+    got, metrics, served = await _while_watching(lambda: counter.count(shape, 681_273))
+    assert isinstance(got, TokenCount)
+    assert got.method == "exact"
+    assert got.exact
+    assert 700_000 < got.tokens < 2_000_000
+    ticks, late = _ticks_over(metrics, LAG_LIMIT_S)
+    assert ticks >= 20  # the monitor really ran during the count
+    assert served >= 10  # and small requests were decided meanwhile
+    assert late == 0, f"{late:g} of {ticks:g} ticks saw the loop stalled > 20 ms"
+
+
+HOSTILE: dict[str, Callable[[], bytes]] = {
+    "1M spaces": lambda: orjson.dumps({"messages": [{"role": "user", "content": " " * 1_000_000}]}),
+    "U+0F73 x 400000": lambda: orjson.dumps({"prompt": "\u0f73" * 400_000}),
+    "U+1D160 x 100000": lambda: orjson.dumps({"text": "\U0001d160" * 100_000}),
+    "deeply nested": lambda: b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "nested tools": lambda: (
+        b'{"messages": [{"role": "user", "content": "x"}], "tools": ['
+        + b'{"a":' * 600
+        + b"1"
+        + b"}" * 600
+        + b"]}"
+    ),
+    "invalid UTF-8": lambda: b'{"prompt": "\xff\xfe' + b"x" * 1_000_000 + b'"}',
+}
+ROUTE = {"1M spaces": "chat", "U+1D160 x 100000": "generate", "nested tools": "chat"}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+async def test_hostile_bodies_get_a_decision_or_a_clear_4xx(
+    case: str, counter: TokenCounter
+) -> None:
+    body = HOSTILE[case]()
+    route = ROUTE.get(case, "completions")
+
+    async def decide() -> TokenCount | KvproxyError:
+        try:
+            shape = parse_request(route, body)  # type: ignore[arg-type]
+            return await counter.count(shape, 100_000)
+        except KvproxyError as err:
+            return err
+
+    got, metrics, _ = await _while_watching(decide)
+    if isinstance(got, KvproxyError):
+        assert got.status in (400, 503)
+        assert got.code in ("invalid_request", "token_count_unavailable")
+    else:
+        assert got.method in ("bound", "exact")
+    if case in ("deeply nested", "nested tools", "invalid UTF-8"):
+        assert isinstance(got, KvproxyError)
+        assert got.status == 400
+    _, late = _ticks_over(metrics, LAG_LIMIT_S)
+    assert late == 0

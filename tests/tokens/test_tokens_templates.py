@@ -1,0 +1,114 @@
+"""Chat templates: placeholder rendering gives exactly the plain render, on the real
+templates of Qwen-3, GLM-4 and DeepSeek-V3 and on templates that inspect their content."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from kvproxy.errors import KvproxyError
+from kvproxy.prompt import SequencePrompt, parse_request
+from kvproxy.tokens import bounds
+from kvproxy.tokens.local import HfTokenizer
+from kvproxy.tokens.templates import BIG_CHARS, ChatTemplate
+
+BIG = ("Lorem ipsum dolor sit amet.\nConsectetur adipiscing elit " * 3000)[: BIG_CHARS + 500]
+assert len(BIG) > BIG_CHARS
+
+
+def shape(messages: list[dict[str, Any]], **extra: Any) -> SequencePrompt:
+    body = orjson.dumps({"messages": messages, **extra})
+    return parse_request("chat", body).prompts[0]
+
+
+CONVERSATIONS = {
+    "user": [{"role": "user", "content": BIG}],
+    "system+user": [
+        {"role": "system", "content": BIG},
+        {"role": "user", "content": "short " + BIG},
+    ],
+    "assistant-think": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\n" + BIG},
+        {"role": "user", "content": BIG},
+    ],
+    "reasoning": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning_content": BIG},
+        {"role": "user", "content": "again"},
+    ],
+    "tools": [
+        {"role": "user", "content": "call it"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": '{"x": "' + BIG + '"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": BIG},
+    ],
+    "parts": [{"role": "user", "content": [{"type": "text", "text": BIG}, "tail"]}],
+}
+TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
+
+
+@pytest.mark.parametrize("model", ["qwen-3", "glm-4", "deepseek-v3"])
+@pytest.mark.parametrize("conv", sorted(CONVERSATIONS))
+def test_segments_equal_plain_render(
+    model: str, conv: str, hf_tokenizers: dict[str, HfTokenizer]
+) -> None:
+    tok = hf_tokenizers[model]
+    assert tok.template is not None
+    seq = shape(CONVERSATIONS[conv], tools=TOOLS if conv == "tools" else None)
+    try:
+        plain = tok.template.render(seq)
+    except KvproxyError:
+        pytest.skip(f"{model}'s template refuses this conversation")
+    segments = tok.template.render_segments(seq)
+    assert "".join(segments) == plain
+    exact = len(tok.tokenizer.encode_batch_fast([plain], add_special_tokens=False)[0])
+    assert tok.count_segments(segments) == (exact, True)
+    assert "".join(bounds.segment_chunks(segments, 4096)) == plain
+    assert tok.bound_rule is not None
+    assert bounds.segments_bound(segments, tok.bound_rule) >= exact
+
+
+def test_big_contents_become_segments_not_one_string() -> None:
+    tmpl = ChatTemplate("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    segments = tmpl.render_segments(shape([{"role": "user", "content": BIG}]))
+    assert segments == ("[user]", BIG)
+    assert segments[1] is BIG or segments[1] == BIG
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ messages[0].content | trim }}",
+        "{{ messages[0].content[:100] }}",
+        "{{ messages[0].content.upper() }}",
+        "{{ messages[0].content | replace('a', 'b') }}",
+        "{{ (messages[0].content + 'x') | indent(4) }}",
+        "{{ messages[0] | tojson }}",
+        "{{ messages[0].content.split('.')[0] }}",
+        "{% for c in messages[0].content %}{% if loop.index < 3 %}{{ c }}{% endif %}{% endfor %}",
+        "{{ messages[0].content if messages[0].content.startswith('Lorem') else 'no' }}",
+        "{{ messages[0].content | length }}:{{ 'ipsum' in messages[0].content }}",
+        "{% if messages[0].content == 'x' %}same{% endif %}{{ messages[0].content[-5:] }}",
+    ],
+)
+def test_templates_that_look_inside_content_render_exactly(source: str) -> None:
+    tmpl = ChatTemplate(source)
+    seq = shape([{"role": "user", "content": BIG}])
+    assert "".join(tmpl.render_segments(seq)) == tmpl.render(seq)
+
+
+def test_dropped_content_falls_back_to_plain_render() -> None:
+    tmpl = ChatTemplate("{% if false %}{{ messages[0].content }}{% endif %}ok")
+    assert tmpl.render_segments(shape([{"role": "user", "content": BIG}])) == ("ok",)
