@@ -22,7 +22,6 @@ Nothing in this package logs or labels prompt text (I8).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from kvproxy.config import ConfigError, Settings
@@ -116,7 +115,6 @@ __all__ = [
     "EngineTokenize",
     "EngineTokenizeRequest",
     "EngineTokenizer",
-    "Path",
     "TokenCount",
     "TokenCounter",
     "build_counter",
