@@ -42,10 +42,11 @@ def sel(metric: str, matchers: str = "") -> str:
     return f"{metric}{{{inner}}}"
 
 
-def to_promql(expr: str) -> str:
+def to_promql(expr: str, overrides: dict[str, str] | None = None) -> str:
     """Replace Grafana's variables with fixed values (longest names first)."""
-    for name in sorted(GRAFANA_DEFAULTS, key=len, reverse=True):
-        expr = expr.replace(name, GRAFANA_DEFAULTS[name])
+    values = {**GRAFANA_DEFAULTS, **(overrides or {})}
+    for name in sorted(values, key=len, reverse=True):
+        expr = expr.replace(name, values[name])
     return expr
 
 
