@@ -91,7 +91,9 @@ def decide(count: PromptCount, limits: LimitsView, policy: Policy) -> Decision:
 
     # I4: every sample keeps its own output pages on decode; the prompt's pages are held
     # once per sequence. Counting n x output is the conservative reading.
-    per_sample = count.output_tokens if count.output_tokens is not None else policy.default_output_tokens
+    per_sample = count.output_tokens
+    if per_sample is None:
+        per_sample = policy.default_output_tokens
     needed_output = per_sample * max(count.n, 1)
     if count.tokens + needed_output <= decode_limit:
         return Admit(count.tokens, count.method)

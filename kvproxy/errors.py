@@ -245,6 +245,12 @@ def _upstream(status: int, code: str, message: str) -> KvproxyError:
     return KvproxyError(status=status, code=code, reason=code, type="server_error", message=message)
 
 
+def upstream_bad_response(detail: str) -> KvproxyError:
+    return _upstream(
+        502, "upstream_bad_response", f"the router sent a malformed response ({detail})"
+    )
+
+
 def map_upstream_exception(exc: BaseException) -> KvproxyError:
     """The one place that turns aiohttp/OS exceptions from the upstream leg into outcomes."""
     if isinstance(exc, KvproxyError):

@@ -65,7 +65,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         elif rec.status == 0:
             rec.status = 499 if rec.client_disconnect else 200
         state.metrics.responses_total.labels(rec.route, str(rec.status)).inc()
-        return resp if resp is not None else _already_sent()
+        return resp if resp is not None else _client_gone_response()
     finally:
         rec.finish()
         state.metrics.request_duration.labels(rec.route).observe(rec.duration_s)
@@ -75,10 +75,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
         state.leave()
 
 
-def _already_sent() -> web.StreamResponse:
-    # aiohttp requires a return value; when the response was streamed (or the client left)
-    # an unprepared placeholder is never written because the connection is done with.
-    resp = web.StreamResponse(status=200)
+def _client_gone_response() -> web.StreamResponse:
+    # aiohttp requires a return value; the client left before a response was started, so
+    # this one is never written (its connection is gone).
+    resp = web.Response(status=499)
     resp.force_close()
     return resp
 
@@ -161,9 +161,9 @@ async def _handle(
             lease.release()
     if exchange.usage.prompt_tokens is not None and rec.prompt_tokens is not None:
         _drift(state, rec, exchange.usage.prompt_tokens)
-    if resp is None and exchange.client is not None:
-        rec.status = exchange.client.status
-    return resp
+    # A streamed response must be handed back to aiohttp itself: returning any other object
+    # would make it write a second status line onto the same keep-alive connection.
+    return resp if resp is not None else exchange.client
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:

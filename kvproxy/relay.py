@@ -30,7 +30,7 @@ from kvproxy import drain, errors
 from kvproxy.canary import CanaryScanner
 from kvproxy.errors import KvproxyError
 from kvproxy.logs import AccessRecord, log_event
-from kvproxy.sse import SSEParser, body_texts, token_texts
+from kvproxy.sse import SSEError, SSEParser, StreamTexts
 from kvproxy.state import ServerState
 
 log = logging.getLogger("kvproxy.relay")
@@ -114,6 +114,7 @@ class Exchange:
         self.client: web.StreamResponse | None = None
         self.usage = Usage()
         self.sse: SSEParser | None = None
+        self.texts = StreamTexts()
         self.token_seen = False
         self.kept = bytearray()
         self.blocked = False
@@ -217,6 +218,15 @@ class Exchange:
             self.machine.handle(drain.UpstreamHeaders(now=time.monotonic()))
             return up
 
+    async def _fail_midway(self, err: KvproxyError) -> web.StreamResponse | None:
+        """The upstream broke after its headers: end the client's stream with an error event
+        if it already started, else answer with the error."""
+        resp = self._upstream_failed(err)
+        if self.client is not None and not self.gone_seen:
+            await self._end_stream_with_error(err)
+            return None
+        return resp
+
     def _upstream_failed(self, exc: BaseException) -> web.StreamResponse | None:
         err = errors.map_upstream_exception(exc)
         self.record.upstream_outcome = err.code
@@ -272,11 +282,7 @@ class Exchange:
                         continue
                     chunk = got
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                resp = self._upstream_failed(exc)
-                if self.client is not None and not self.gone_seen:
-                    await self._end_stream_with_error(errors.map_upstream_exception(exc))
-                    return None
-                return resp
+                return await self._fail_midway(errors.map_upstream_exception(exc))
             now = time.monotonic()
             if not chunk:
                 self.machine.handle(drain.UpstreamEOF(now=now))
@@ -286,8 +292,11 @@ class Exchange:
                 ttft = now - t_sent
                 self.record.ttft_s = ttft
                 self.state.metrics.upstream_ttft.observe(ttft)
-            hit, has_token = self._inspect(chunk, is_sse)
-            if hit:
+            try:
+                withhold, has_token = self._inspect(chunk, is_sse)
+            except SSEError:
+                return await self._fail_midway(errors.upstream_bad_response("oversized SSE event"))
+            if withhold:
                 return await self._block(up)
             decision = self.machine.handle(drain.UpstreamChunk(now=now, has_token=has_token))
             if isinstance(decision, drain.CloseUpstream):
@@ -302,39 +311,52 @@ class Exchange:
                 continue
             if len(self.kept) < KEEP_BODY_BYTES and not is_sse:
                 self.kept += chunk
-            await self._write(up, chunk)
+            if not await self._write(up, chunk):
+                return None
 
-    async def _write(self, up: aiohttp.ClientResponse, chunk: bytes) -> None:
-        client = self.client or await self._start_client(up)
+    async def _write(self, up: aiohttp.ClientResponse, chunk: bytes) -> bool:
+        """Relay one chunk; False when the upstream must now be closed (client gone at a
+        safe point)."""
         try:
+            client = self.client or await self._start_client(up)
             await client.write(chunk)
             self.record.bytes_out += len(chunk)
         except (ConnectionResetError, RuntimeError):
             # RuntimeError: aiohttp raises it when the payload writer is already closed.
-            self._client_gone()
+            if isinstance(self._client_gone(), drain.CloseUpstream):
+                return False
+        return True
 
     def _inspect(self, chunk: bytes, is_sse: bool) -> tuple[bool, bool]:
-        """Canary scan and token detection; returns (canary hit, chunk carries a token)."""
+        """Canary scan and token detection; returns (withhold this chunk, carries a token).
+
+        Raises SSEError when one event outgrows the parser's bound (a broken upstream)."""
         if not is_sse or self.sse is None:
             return False, False
         has_token = False
+        withhold = False
         need_texts = self.scanner is not None or not self.token_seen
         for payload in self.sse.feed(chunk):
             if b'"usage"' in payload:
                 self._read_usage(payload)
             if not need_texts:
                 continue
-            for index, text in token_texts(payload):
-                if text:
-                    has_token = True
-                if self.scanner is not None and text:
-                    hit = self.scanner.feed_text(index, text)
-                    if hit is not None:
-                        self._report_canary(hit)
-                        return True, has_token
+            info = self.texts.feed(payload)
+            has_token = has_token or info.has_token
+            if self.scanner is None:
+                continue
+            for index, text in info.texts:
+                hit = self.scanner.feed_text(index, text)
+                if hit is None:
+                    continue
+                self._report_canary(hit)
+                # Observe only counts. After a disconnect nothing reaches anyone, so the
+                # chunk goes to the drain machine like any other (it carries a token).
+                if self.state.settings.canary_action == "block" and not self.gone_seen:
+                    withhold = True
         if has_token:
             self.token_seen = True
-        return False, has_token
+        return withhold, has_token
 
     def _read_usage(self, payload: bytes) -> None:
         with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
@@ -345,16 +367,16 @@ class Exchange:
     async def _finish(
         self, up: aiohttp.ClientResponse, buffering: bool
     ) -> web.StreamResponse | None:
-        if self.kept and not self.streaming:
-            self._read_usage(bytes(self.kept))
-        if buffering:
-            if self.scanner is not None:
-                hit = None
-                for text in body_texts(bytes(self.kept)):
-                    hit = self.scanner.feed_text(0, text) or hit
-                if hit is not None:
-                    self._report_canary(hit)
+        body = bytes(self.kept)
+        if body and not self.streaming:
+            self._read_usage(body)
+        if self.scanner is not None and body and not _is_sse(up):
+            hit = self.scanner.scan_body(body)
+            if hit is not None:
+                self._report_canary(hit)
+                if buffering and not self.gone_seen:
                     return await self._block(up)
+        if buffering:
             if self.gone_seen:
                 return None
             headers = filter_headers(up.headers)
@@ -365,8 +387,8 @@ class Exchange:
             )
         if self.gone_seen:
             return None
-        client = self.client or await self._start_client(up)
         with contextlib.suppress(ConnectionResetError, RuntimeError):
+            client = self.client or await self._start_client(up)
             await client.write_eof()
         return None
 
@@ -383,16 +405,13 @@ class Exchange:
             marker_id=hit.marker_id,
             action=self.state.settings.canary_action,
         )
-        if self.state.settings.canary_action == "observe":
-            return
 
     async def _block(self, up: aiohttp.ClientResponse) -> web.StreamResponse | None:
-        if self.state.settings.canary_action == "observe":
-            return None
         self.blocked = True
         # The marker arrived in a generated token: decode holds its KV, the transfer is
         # over, so closing the upstream now is a safe point (I5).
-        self.machine.handle(drain.UpstreamEOF(now=time.monotonic()))
+        if not self.machine.upstream_closed:
+            self.machine.handle(drain.UpstreamEOF(now=time.monotonic()))
         err = errors.canary_violation()
         self.record.upstream_outcome = err.code
         if self.gone_seen:
