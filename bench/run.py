@@ -120,9 +120,14 @@ def install_litellm() -> str | None:
     print(f"installing litellm[proxy] into {venv} (bench-peers only)", flush=True)
     steps = [
         [sys.executable, "-m", "venv", str(venv)],
-        [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
-         "litellm[proxy]"],
-    ]  # fmt: skip
+        [
+            str(venv / "bin" / "pip"),
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "litellm[proxy]",
+        ],
+    ]
     for cmd in steps:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
@@ -255,7 +260,13 @@ class Bench:
             self.notes.append("bench/decision_latency.py is not in this checkout yet")
             return None
         self.log("decision latency by method (bench/decision_latency.py)")
-        cmd = [*procstat.pin_prefix(targets.SERVER_CPU), sys.executable, str(script)]
+        cmd = [
+            *procstat.pin_prefix(targets.SERVER_CPU),
+            sys.executable,
+            str(script),
+            "--repeat",
+            str(self.d.long_reps),
+        ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         except subprocess.TimeoutExpired:
