@@ -163,10 +163,9 @@ def measure_sglang(
             )
             pool_tokens, pool_source = swa_tokens, swa_source
     page_size, page_source = page.smallest() if page else (None, None)
-    if page_size is not None and page_size > 1 and pool_tokens % page_size:
-        # Pages are allocated whole: only complete pages hold a request.
-        pool_tokens -= pool_tokens % page_size
-        found.note(f"pool rounded down to whole pages of {page_size}")
+    # No rounding to whole pages here: SGLang rounds max_total_num_tokens down to a page
+    # multiple itself before it reports it and derives max_req_input_len from that number,
+    # so the reported pool is already what its allocator holds.
 
     context_tokens, context_source = context.smallest() if context else (None, None)
     mril_value, mril_source = mril.smallest() if mril else (None, None)

