@@ -187,10 +187,9 @@ async def _admit(
         shape = parse_request(route, body)
     except KvproxyError as err:
         return err
-    assert limits.admission_limit_tokens is not None
     t0 = time.perf_counter()
     try:
-        count = await state.counter.count(shape, limits.admission_limit_tokens)
+        count = await state.counter.count(shape, _admit_at_most(state, shape, limits))
     except KvproxyError as err:
         return err
     m = state.metrics
@@ -214,6 +213,17 @@ async def _admit(
     if isinstance(verdict, admission.Reject):
         return verdict.error
     return shape, verdict
+
+
+def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.LimitsView) -> int:
+    """The largest count that could still be admitted, so the counter tokenizes exactly
+    whenever its cheap bound would fail either check (I1 on prefill, I4 on decode)."""
+    limit = limits.admission_limit_tokens or 0
+    decode = limits.decode_limit_tokens
+    if decode is not None and state.settings.decode_policy == "reject":
+        out = shape.max_output_tokens or state.settings.default_output_tokens
+        limit = min(limit, decode - out * max(shape.n, 1))
+    return max(limit, 0)
 
 
 def _reject(

@@ -111,3 +111,36 @@ async def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return pred()
+
+
+CANARY_TENANTS = ("canary-a", "canary-b")
+
+
+def canary_settings() -> dict[str, Any]:
+    """Tripwire config matching `kvproxy canary`'s default synthetic tenants."""
+    return {
+        "trust_tenant_header": True,
+        "canaries": [
+            {"tenant": t, "patterns": [f"KVCANARY-{t}-[0-9a-f]{{16}}"]} for t in CANARY_TENANTS
+        ],
+    }
+
+
+@contextlib.asynccontextmanager
+async def sim_and_proxy(
+    sim_options: dict[str, Any] | None = None, **overrides: Any
+) -> AsyncIterator[tuple[Any, KvproxyServer]]:
+    """The simulator (all three servers on free ports) with kvproxy wired to its engines."""
+    from kvproxy.sim.launcher import SimCluster, SimOptions
+
+    opts = SimOptions(**{"port": 0, "prefill_port": 0, "decode_port": 0, **(sim_options or {})})
+    async with SimCluster(opts) as sim:
+        overrides.setdefault(
+            "engines",
+            [
+                {"url": sim.prefill_url, "role": "prefill", "kind": "sglang"},
+                {"url": sim.decode_url, "role": "decode", "kind": "sglang"},
+            ],
+        )
+        async with running_proxy(sim.router_url, **overrides) as proxy:
+            yield sim, proxy

@@ -1,0 +1,123 @@
+"""The sans-IO admission decision: I1 (never above the limit), I3 (unknown refuses), I4
+(decode budget), and the error bodies users see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvproxy.admission import Admit, Policy, PromptCount, Reject, decide, precheck
+
+
+@dataclass(frozen=True)
+class L:
+    known: bool = True
+    admission_limit_tokens: int | None = 681_273
+    decode_limit_tokens: int | None = 1_000_000
+    source: str = "measured"
+    why: str = "measured prefill KV pool of prefill-0"
+
+
+def count(tokens: int, *, exact: bool = True, out: int | None = None, n: int = 1) -> PromptCount:
+    return PromptCount(tokens, "exact" if exact else "bound", exact, out, n, "messages")
+
+
+def test_admits_at_the_limit_and_rejects_one_above() -> None:
+    assert isinstance(decide(count(681_273), L(), Policy()), Admit)
+    verdict = decide(count(681_274), L(), Policy())
+    assert isinstance(verdict, Reject)
+    err = verdict.error
+    assert err.status == 400
+    body = orjson.loads(err.body("openai"))["error"]
+    assert body["code"] == "context_length_exceeded"
+    assert body["type"] == "invalid_request_error"
+    assert body["param"] == "messages"
+    assert body["prompt_tokens"] == 681_274
+    assert body["limit_tokens"] == 681_273
+    assert body["limit_source"] == "measured"
+    assert "681,274" in body["message"]
+    assert "681,273" in body["message"]
+    assert "measured prefill KV pool" in body["message"]
+
+
+def test_sglang_style_body_for_generate() -> None:
+    verdict = decide(count(700_000), L(), Policy())
+    assert isinstance(verdict, Reject)
+    body = orjson.loads(verdict.error.body("sglang"))
+    assert body["object"] == "error"
+    assert body["code"] == 400
+    assert body["kvproxy_code"] == "context_length_exceeded"
+
+
+def test_a_bound_over_the_limit_says_it_was_a_bound() -> None:
+    verdict = decide(count(700_000, exact=False), L(), Policy())
+    assert isinstance(verdict, Reject)
+    assert "byte bound" in verdict.error.message
+    assert "KVPROXY_TOKENIZER" in verdict.error.message
+
+
+@pytest.mark.parametrize("limits", [L(known=False), L(admission_limit_tokens=None)])
+def test_unknown_capacity_refuses_with_503(limits: L) -> None:
+    pre = precheck(limits, 7, "no fresh measurement")
+    assert pre is not None
+    assert pre.error.status == 503
+    assert pre.error.code == "capacity_unknown"
+    assert pre.error.headers["Retry-After"] == "7"
+    assert isinstance(decide(count(1), limits, Policy()), Reject)
+
+
+def test_declared_limits_are_labelled_declared() -> None:
+    verdict = decide(count(10_001), L(admission_limit_tokens=10_000, source="declared"), Policy())
+    assert isinstance(verdict, Reject)
+    assert orjson.loads(verdict.error.body())["error"]["limit_source"] == "declared"
+
+
+def test_decode_budget_rejects_prompt_plus_output() -> None:
+    limits = L(admission_limit_tokens=5_000, decode_limit_tokens=6_000)
+    assert isinstance(decide(count(5_000, out=1_000), limits, Policy()), Admit)
+    verdict = decide(count(5_000, out=1_001), limits, Policy())
+    assert isinstance(verdict, Reject)
+    assert verdict.error.reason == "decode_budget"
+    assert verdict.error.param == "max_tokens"
+    assert verdict.error.code == "context_length_exceeded"
+
+
+def test_decode_budget_counts_every_sample_and_a_default_output() -> None:
+    limits = L(admission_limit_tokens=5_000, decode_limit_tokens=6_000)
+    assert isinstance(decide(count(4_000, out=600, n=4), limits, Policy()), Reject)
+    assert isinstance(decide(count(4_000, out=500, n=4), limits, Policy()), Admit)
+    # No max_tokens: the policy's default output must still fit.
+    assert isinstance(decide(count(5_999), L(True, 6_000, 6_000), Policy()), Admit)
+    assert isinstance(decide(count(6_000), L(True, 6_000, 6_000), Policy()), Reject)
+
+
+def test_clamp_lowers_the_output_instead_of_rejecting() -> None:
+    limits = L(admission_limit_tokens=5_000, decode_limit_tokens=6_000)
+    verdict = decide(count(5_000, out=4_000, n=2), limits, Policy(decode_policy="clamp"))
+    assert isinstance(verdict, Admit)
+    assert verdict.clamped_output_tokens == 500
+    # Nothing left to clamp to: still a rejection.
+    full = L(admission_limit_tokens=6_000, decode_limit_tokens=6_000)
+    assert isinstance(decide(count(6_000, out=10), full, Policy(decode_policy="clamp")), Reject)
+
+
+@given(
+    tokens=st.integers(0, 2_000_000),
+    limit=st.integers(1, 2_000_000),
+    decode=st.integers(1, 3_000_000),
+    out=st.one_of(st.none(), st.integers(1, 100_000)),
+    n=st.integers(1, 8),
+    exact=st.booleans(),
+)
+def test_never_admits_above_either_limit(
+    tokens: int, limit: int, decode: int, out: int | None, n: int, exact: bool
+) -> None:
+    limits = L(admission_limit_tokens=limit, decode_limit_tokens=decode)
+    verdict = decide(count(tokens, exact=exact, out=out, n=n), limits, Policy())
+    if isinstance(verdict, Admit):
+        assert tokens <= limit
+        assert tokens + (out if out is not None else 1) * n <= decode
