@@ -395,14 +395,24 @@ def _generate(data: Mapping[str, Any]) -> tuple[tuple[SequencePrompt, ...], str]
 
 
 def _media_count(value: Any, param: str) -> int:
-    """Items in image_data/audio_data, counted for every sequence (an over-count is safe)."""
+    """Items in image_data/audio_data, counted for every sequence (an over-count is safe).
+
+    Iterative on purpose: orjson accepts lists nested 1,023 deep, past Python's recursion
+    limit, and a RecursionError here would be a 500 instead of a count."""
     if value is None:
         return 0
-    if isinstance(value, list):
-        return sum(_media_count(v, param) if isinstance(v, list) else 1 for v in value)
     if isinstance(value, (str, dict)):
         return 1
-    raise invalid_request(f"{param} must be a string, an object or an array", param)
+    if not isinstance(value, list):
+        raise invalid_request(f"{param} must be a string, an object or an array", param)
+    count, pending = 0, [value]
+    while pending:
+        for item in pending.pop():
+            if isinstance(item, list):
+                pending.append(item)
+            else:
+                count += 1
+    return count
 
 
 def _sampling(sp: Any) -> tuple[int | None, int]:
