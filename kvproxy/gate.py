@@ -125,6 +125,40 @@ async def measure(
     return out
 
 
+def declared_context_check(
+    declared: int, measured: list[EngineMeasurement], safe_limit: int, why: str
+) -> Check:
+    """The incident's misconfiguration: a declared context larger than what an admitting
+    engine holds. Compared in the same unit (tokens of context: min(context, pool)), so a
+    healthy 8,192 / 8,192 deployment passes; the safe value printed is the largest prompt
+    the engines accept."""
+    holds = [
+        (m.pool_tokens if m.context_length is None else min(m.pool_tokens, m.context_length), m)
+        for m in measured
+        if m.role in ("prefill", "unified") and m.source == "measured"
+    ]
+    if not holds:
+        return Check("declared context fits every engine", False, "no engine measured")
+    cap, m = min(holds, key=lambda h: h[0])
+    data = {"declared": declared, "engine_holds": cap, "engine": m.engine, "safe": safe_limit}
+    if declared <= cap:
+        return Check(
+            "declared context fits every engine",
+            True,
+            f"declared {declared:,} <= {cap:,} held by {m.engine}; "
+            f"largest admitted prompt {safe_limit:,}",
+            data,
+        )
+    return Check(
+        "declared context fits every engine",
+        False,
+        f"declared {declared:,} exceeds the {cap:,} tokens {m.engine} holds "
+        f"({m.pool_source}); measured limit {safe_limit:,} ({why}); set the declared "
+        f"context to at most {safe_limit:,}",
+        data,
+    )
+
+
 def engine_row(spec: EngineSpec, m: EngineMeasurement | ProbeError) -> dict[str, Any]:
     row: dict[str, Any] = {
         "engine": spec.label,
@@ -263,18 +297,7 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
         limits = derive_limits(ok_m, max_context=opts.max_context)
         safe_ctx = safe.measured_limit_tokens
         if opts.max_context is not None and safe_ctx is not None:
-            fits = opts.max_context <= safe_ctx
-            checks.append(
-                Check(
-                    "declared context fits every engine",
-                    fits,
-                    f"declared {opts.max_context:,} <= measured limit {safe_ctx:,}"
-                    if fits
-                    else f"declared {opts.max_context:,} exceeds the measured limit {safe_ctx:,} "
-                    f"({safe.why}); the largest safe context is {safe_ctx:,}",
-                    {"declared": opts.max_context, "safe": safe_ctx},
-                )
-            )
+            checks.append(declared_context_check(opts.max_context, ok_m, safe_ctx, safe.why))
         deferred = None
         if opts.proxy_admin:
             deferred = await deferred_counts(http, opts.proxy_admin)

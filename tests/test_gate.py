@@ -1,0 +1,167 @@
+"""`kvproxy check`: the release gate against the simulator, and its record's schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from kvtest import canary_settings, sim_and_proxy
+
+from kvproxy.config import EngineSpec
+from kvproxy.gate import SCHEMA_PATH, GateOptions, markdown, run_gate, write_record
+from kvproxy.sim.launcher import SimCluster, SimOptions
+
+
+def sim_options(**kw: Any) -> SimOptions:
+    return SimOptions(port=0, prefill_port=0, decode_port=0, **kw)
+
+
+def engines_json(sim: SimCluster) -> str:
+    return json.dumps(
+        [
+            {"url": sim.prefill_url, "role": "prefill", "kind": "sglang"},
+            {"url": sim.decode_url, "role": "decode", "kind": "sglang"},
+        ]
+    )
+
+
+def validate(record_path: Path) -> dict[str, Any]:
+    schema = json.loads(SCHEMA_PATH.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    data: dict[str, Any] = json.loads(record_path.read_text())
+    jsonschema.Draft202012Validator(schema).validate(data)
+    return data
+
+
+async def run_cli(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvproxy",
+        "check",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode()
+
+
+async def test_declared_context_above_the_pool_fails_and_names_the_safe_value(
+    tmp_path: Path,
+) -> None:
+    async with SimCluster(sim_options()) as sim:
+        rc, out = await run_cli(
+            "--engines", engines_json(sim), "--max-context", "8192", "--out", str(tmp_path)
+        )
+        rc_ok, out_ok = await run_cli(
+            "--engines", engines_json(sim), "--max-context", "5315", "--out", str(tmp_path / "ok")
+        )
+    assert rc == 1, out
+    assert "RESULT: FAIL" in out
+    assert "largest safe context: 5,315 tokens" in out
+    record = validate(tmp_path / "release-record.json")
+    prefill = next(e for e in record["engines"] if e["role"] == "prefill")
+    assert prefill["input_limit_tokens"] == 5315
+    assert prefill["pool_tokens"] == 5322
+    assert prefill["sources"]["input_limit_tokens"] == "server_info.max_req_input_len"
+    assert record["declared_context_tokens"] == 8192
+    assert record["safe_max_context_tokens"] == 5315
+    assert record["failed_checks"] == ["declared context fits every engine"]
+    md = (tmp_path / "release-record.md").read_text()
+    assert "FAIL" in md
+    assert "5,315" in md
+    assert "8192" in md
+
+    assert rc_ok == 0, out_ok
+    assert "RESULT: PASS" in out_ok
+    assert validate(tmp_path / "ok" / "release-record.json")["passed"] is True
+
+
+async def test_an_unreachable_engine_fails_the_gate(tmp_path: Path) -> None:
+    engines = (EngineSpec(url="http://127.0.0.1:9", role="prefill"),)
+    record = await run_gate(GateOptions(engines=engines, max_context=4096), lambda _: None)
+    assert not record.passed
+    assert record.engines[0]["error"]["reason"] == "connect"
+    json_path, _ = write_record(record, tmp_path)
+    validate(json_path)
+
+
+async def test_boundary_probes_through_kvproxy_and_directly(tmp_path: Path) -> None:
+    async with sim_and_proxy(max_context=5315) as (sim, proxy):
+        engines = tuple(EngineSpec(**e) for e in json.loads(engines_json(sim)))
+        through = await run_gate(
+            GateOptions(
+                engines=engines,
+                max_context=5315,
+                proxy=proxy.public_url,
+                proxy_admin=proxy.admin_url,
+                sim=sim.router_url,
+            ),
+            lambda _: None,
+        )
+        direct = await run_gate(
+            GateOptions(
+                engines=engines, max_context=5315, proxy=sim.router_url, sim=sim.router_url
+            ),
+            lambda _: None,
+        )
+    checks = {c.name: c for c in through.checks}
+    assert through.passed, [c for c in through.checks if not c.passed]
+    assert checks["boundary limit+1 (5,316 tokens)"].data["status"] == 400
+    assert checks["boundary limit+1 (5,316 tokens)"].data["reached_engines"] == ""
+    assert checks["boundary limit+0 (5,315 tokens)"].passed
+    assert through.deferred_cancellations is not None
+    assert through.deferred_cancellations["proxy_admission_limit_tokens"] == 5315
+    # The vulnerable engine admits the over-limit probe and transfers it: the gate fails.
+    assert not direct.passed
+    assert "boundary limit+1 (5,316 tokens)" in direct.failed_checks
+    json_path, md_path = write_record(through, tmp_path)
+    validate(json_path)
+    assert md_path.read_text() == markdown(through)
+
+
+@pytest.mark.slow
+async def test_canary_gate_passes_through_kvproxy_and_fails_direct(tmp_path: Path) -> None:
+    async with sim_and_proxy(max_context=5315, **canary_settings()) as (sim, proxy):
+        engines = tuple(EngineSpec(**e) for e in json.loads(engines_json(sim)))
+        through = await run_gate(
+            GateOptions(
+                engines=engines,
+                max_context=5315,
+                proxy=proxy.public_url,
+                proxy_admin=proxy.admin_url,
+                sim=sim.router_url,
+                canary=True,
+            ),
+            lambda _: None,
+        )
+        direct = await run_gate(
+            GateOptions(
+                engines=engines,
+                max_context=5315,
+                proxy=sim.router_url,
+                sim=sim.router_url,
+                canary=True,
+            ),
+            lambda _: None,
+        )
+    assert through.passed, through.failed_checks
+    assert through.isolation is not None
+    assert through.isolation["verdict"] == "pass"
+    assert {s["name"] for s in through.isolation["scenarios"]} == {
+        "normal_long",
+        "boundary",
+        "cancel",
+        "transfer_failure",
+    }
+    assert not direct.passed
+    assert any(name.startswith("isolation ") for name in direct.failed_checks)
+    json_path, _ = write_record(through, tmp_path)
+    assert validate(json_path)["isolation"]["caveats"]
