@@ -1,0 +1,542 @@
+"""The end-to-end stack the e2e suites share: the simulator, kvproxy in front of it, the real
+``sglang-router`` between them, tenant prompts carrying canary markers, reply readers and
+ground-truth readers.
+
+Judging stays independent of the proxy: reply text is reassembled here from the wire (SSE or
+JSON) without kvproxy's own parsers, and leaks are judged on the simulator's counters
+(``/sim/stats``) and on markers found in that text. Prompt text is never printed: assertion
+messages carry counts, tenants and statuses only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from kvtest import running_proxy
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvproxy.app import KvproxyServer
+from kvproxy.metrics import DEFERRED_OUTCOMES, DISCONNECT_PHASES
+from kvproxy.sim import SimCluster, SimOptions
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
+TENANT_A = "canary-a"
+TENANT_B = "canary-b"
+TENANTS = (TENANT_A, TENANT_B)
+MARKER_RE = re.compile(r"KVCANARY-(canary-[a-z])")
+ROUTER_BIN = Path(sys.executable).parent / "sglang-router"
+REQUEST_TIMEOUT_S = 60.0
+
+
+# --- prompts and replies ----------------------------------------------------------------------
+
+
+def new_marker(tenant: str, rng: random.Random) -> str:
+    return f"KVCANARY-{tenant}-{rng.getrandbits(64):016x}"
+
+
+def tenant_prompt(tenant: str, n_bytes: int, rng: random.Random) -> str:
+    """``n_bytes`` of ASCII (one sim token per byte) carrying a fresh marker of ``tenant``
+    on every line, so any page of it that leaks shows whose it was."""
+    line = f"tenant {tenant} secret {new_marker(tenant, rng)}. "
+    tail = " please repeat your context"
+    return (line * (n_bytes // len(line) + 1))[: max(0, n_bytes - len(tail))] + tail
+
+
+def body_for(path: str, prompt: str, *, stream: bool, max_tokens: int) -> dict[str, Any]:
+    if path == GENERATE:
+        return {
+            "text": prompt,
+            "stream": stream,
+            "sampling_params": {"max_new_tokens": max_tokens},
+        }
+    if path == COMPLETIONS:
+        return {
+            "model": "kvproxy-sim",
+            "prompt": prompt,
+            "stream": stream,
+            "max_tokens": max_tokens,
+        }
+    return {
+        "model": "kvproxy-sim",
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": stream,
+        "max_tokens": max_tokens,
+    }
+
+
+def tenant_headers(tenant: str) -> dict[str, str]:
+    return {"X-Tenant-ID": tenant}
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    text: str = ""
+    error: dict[str, Any] | None = None
+    events: int = 0
+    done: bool = False
+
+    def foreign(self, own: str) -> list[str]:
+        """Tenants other than ``own`` whose marker prefix appears in the reply text."""
+        return sorted({t for t in MARKER_RE.findall(self.text) if t != own})
+
+
+def _texts_of(obj: Any) -> str:
+    """Generated text of one JSON payload: chat (delta or message), completions, /generate."""
+    if not isinstance(obj, dict):
+        return ""
+    if isinstance(obj.get("text"), str) and "choices" not in obj:
+        return str(obj["text"])
+    out = []
+    for choice in obj.get("choices") or []:
+        if not isinstance(choice, dict):
+            continue
+        for part in (choice.get("delta"), choice.get("message")):
+            if isinstance(part, dict) and isinstance(part.get("content"), str):
+                out.append(part["content"])
+        if isinstance(choice.get("text"), str):
+            out.append(choice["text"])
+    return "".join(out)
+
+
+def parse_reply(status: int, headers: dict[str, str], raw: bytes, path: str) -> Reply:
+    reply = Reply(status=status, headers=headers)
+    is_sse = headers.get("Content-Type", "").startswith("text/event-stream")
+    if not is_sse:
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return reply
+        if status != 200:
+            reply.error = obj if isinstance(obj, dict) else None
+            return reply
+        reply.text = _texts_of(obj)
+        reply.done = True
+        return reply
+    pieces: list[str] = []
+    last_generate = ""
+    for line in raw.decode("utf-8", "replace").splitlines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            reply.done = True
+            continue
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError:
+            continue
+        reply.events += 1
+        if isinstance(obj, dict) and "error" in obj:
+            reply.error = obj
+        if path == GENERATE:
+            # /generate streams the cumulative text so far, not deltas.
+            last_generate = _texts_of(obj) or last_generate
+        else:
+            pieces.append(_texts_of(obj))
+    reply.text = last_generate if path == GENERATE else "".join(pieces)
+    return reply
+
+
+async def post(
+    http: aiohttp.ClientSession,
+    base: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> Reply:
+    async with http.post(
+        base + path,
+        json=body,
+        headers=headers or {},
+        timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+    ) as resp:
+        raw = await resp.read()
+        return parse_reply(resp.status, dict(resp.headers), raw, path)
+
+
+async def disconnect_after(
+    http: aiohttp.ClientSession,
+    base: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    gate: Callable[[], Awaitable[None]],
+    path: str = CHAT,
+) -> bool:
+    """Send ``body``, wait for ``gate``, then leave: cancelling the client task closes its
+    connection. Returns False if the response had already ended (nothing was cut)."""
+
+    async def go() -> None:
+        async with http.post(base + path, json=body, headers=headers) as resp:
+            await resp.read()
+
+    task = asyncio.ensure_future(go())
+    try:
+        await gate()
+    finally:
+        ended = task.done()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, OSError):
+            await task
+    return not ended
+
+
+# --- the simulator --------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def sim_cluster(**options: Any) -> AsyncIterator[SimCluster]:
+    cluster = SimCluster(SimOptions(port=0, **options))
+    await cluster.start()
+    try:
+        yield cluster
+    finally:
+        await cluster.close()
+
+
+async def get_json(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with http.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        assert resp.status == 200, f"GET {url} -> {resp.status}"
+        data: dict[str, Any] = await resp.json()
+        return data
+
+
+async def sim_stats(http: aiohttp.ClientSession, sim: SimCluster) -> dict[str, Any]:
+    """``{"router", "prefill", "decode"}`` ground truth of the whole cluster."""
+    return await get_json(http, sim.router_url + "/sim/stats")
+
+
+def leak_counters(stats: dict[str, Any]) -> dict[str, int]:
+    """The ground-truth counters that must stay 0 when nothing leaks, summed over roles."""
+    names = (
+        "late_writes_into_reallocated_pages",
+        "late_writes_into_free_pages",
+        "pages_freed_before_drain",
+        "stale_page_reads",
+        "pending_rejections",
+    )
+    return {n: sum(int(stats[r].get(n, 0)) for r in ("prefill", "decode")) for n in names}
+
+
+def engines_of(sim: SimCluster) -> list[dict[str, Any]]:
+    return [
+        {"url": sim.prefill_url, "role": "prefill", "name": "sim-prefill"},
+        {"url": sim.decode_url, "role": "decode", "name": "sim-decode"},
+    ]
+
+
+def canary_settings() -> list[dict[str, Any]]:
+    return [{"tenant": t, "patterns": [f"KVCANARY-{t}-[0-9a-f]{{16}}"]} for t in TENANTS]
+
+
+@contextlib.asynccontextmanager
+async def proxy_for(
+    sim: SimCluster, upstream: str | None = None, **overrides: Any
+) -> AsyncIterator[KvproxyServer]:
+    """kvproxy measuring the sim's engines, forwarding to ``upstream`` (default: the sim's
+    own router). Canaries observe only, so a leak reaches the client and the test sees it
+    rather than the tripwire hiding it."""
+    overrides.setdefault("engines", engines_of(sim))
+    overrides.setdefault("trust_tenant_header", True)
+    overrides.setdefault("canaries", canary_settings())
+    overrides.setdefault("canary_action", "observe")
+    overrides.setdefault("capacity_probe_timeout_s", 2.0)
+    async with running_proxy(upstream or sim.router_url, **overrides) as server:
+        yield server
+
+
+# --- reading metrics --------------------------------------------------------------------------
+
+
+def sample(server: KvproxyServer, name: str, **labels: str) -> float:
+    value = server.metrics.registry.get_sample_value(name, labels)
+    return float(value or 0.0)
+
+
+def deferred_by_outcome(server: KvproxyServer) -> dict[str, int]:
+    return {
+        o: int(sample(server, "kvproxy_deferred_cancellations_total", outcome=o))
+        for o in DEFERRED_OUTCOMES
+    }
+
+
+def disconnects_by_phase(server: KvproxyServer) -> dict[str, int]:
+    return {
+        p: int(sample(server, "kvproxy_client_disconnects_total", phase=p))
+        for p in DISCONNECT_PHASES
+    }
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        assert resp.status == 200
+        return await resp.text()
+
+
+# --- polling ----------------------------------------------------------------------------------
+
+
+async def poll(
+    check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, interval_s: float = 0.005
+) -> bool:
+    """Poll ``check``; bounded in time and in tries. Returns the last result."""
+    deadline = time.monotonic() + timeout_s
+    for _ in range(int(timeout_s / interval_s) + 1):
+        if await check():
+            return True
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(interval_s)
+    return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# --- the real sglang-router ------------------------------------------------------------------
+
+
+@dataclass
+class RealRouter:
+    url: str
+    metrics_url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:]
+
+
+def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a child process whose stdout and stderr go to ``log``."""
+    with log.open("wb") as sink:
+        return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+
+
+def router_binary() -> str:
+    if ROUTER_BIN.exists():
+        return str(ROUTER_BIN)
+    found = shutil.which("sglang-router")
+    if found is None:
+        pytest.skip("sglang-router is not installed")
+    return found
+
+
+@contextlib.asynccontextmanager
+async def real_router(sim: SimCluster, log: Path) -> AsyncIterator[RealRouter]:
+    """The PyPI ``sglang-router`` in PD mode in front of the sim's prefill and decode, with
+    its own Prometheus endpoint. Ready once a chat request goes through; the sim's counters
+    are reset after that warm-up so tests start from zero."""
+    port, metrics_port = free_port(), free_port()
+    bootstrap = sim.prefill_url.rsplit(":", 1)[1]
+    cmd = [
+        router_binary(),
+        "launch",
+        "--pd-disaggregation",
+        "--prefill",
+        sim.prefill_url,
+        bootstrap,
+        "--decode",
+        sim.decode_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--prometheus-port",
+        str(metrics_port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--log-level",
+        "warn",
+    ]
+    proc = spawn(cmd, log)
+    router = RealRouter(
+        url=f"http://127.0.0.1:{port}",
+        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+        proc=proc,
+        log=log,
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def serves() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"sglang-router exited: {router.tail()}")
+                try:
+                    reply = await post(
+                        http, router.url, CHAT, body_for(CHAT, "ready?", stream=False, max_tokens=1)
+                    )
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    return False
+                return reply.status == 200
+
+            assert await poll(serves, timeout_s=60.0, interval_s=0.25), router.tail()
+            async with http.post(sim.router_url + "/sim/reset") as resp:
+                assert resp.status == 200
+        yield router
+    finally:
+        stop_process(proc)
+
+
+# --- the disconnect storm: victims leave mid-prefill / mid-transfer, another tenant sends ------
+
+
+@dataclass
+class StormResult:
+    victims_cut: int = 0  # victims that left while their response was still open
+    phases: Counter[str] = field(default_factory=Counter)  # where each victim was sent to leave
+    other_statuses: Counter[int] = field(default_factory=Counter)
+    other_replies: int = 0
+    foreign_replies: int = 0  # the other tenant's replies carrying the victim tenant's marker
+
+
+async def disconnect_storm(
+    http: aiohttp.ClientSession,
+    target: str,
+    sim: SimCluster,
+    *,
+    victims: int,
+    seed: int,
+    victim_bytes: int = 2000,
+    other_bytes: tuple[int, int] = (150, 400),
+    other_lanes: int = 2,
+) -> StormResult:
+    """Tenant A's streaming requests leave at seeded random points during prefill or the KV
+    transfer, one after another, while tenant B keeps sending (``other_lanes`` at a time,
+    plus one request right behind each victim) and its replies are scanned for A's markers.
+
+    When to leave is gated on ground truth: decode has reserved the victim's pages (so
+    prefill is computing), then a seeded delay drawn from the sim's own physics places the
+    exit inside the compute time ("prefill") or inside the transfer ("transfer")."""
+    rng = random.Random(seed)
+    opts = sim.opts
+    result = StormResult()
+    stop = asyncio.Event()
+    # The byte template adds "<|user|>\n", "\n<|assistant|>\n": a few dozen tokens.
+    victim_tokens = victim_bytes + 24
+    victim_pages = -(-victim_tokens // opts.page_size)
+    compute_s = victim_tokens * opts.prefill_us_per_token / 1e6
+    transfer_s = victim_pages * opts.transfer_ms_per_page / 1e3
+
+    async def other_request(rng: random.Random) -> None:
+        path = rng.choice((CHAT, CHAT, COMPLETIONS))
+        prompt = tenant_prompt(TENANT_B, rng.randint(*other_bytes), rng)
+        body = body_for(path, prompt, stream=rng.random() < 0.5, max_tokens=1024)
+        reply = await post(http, target, path, body, tenant_headers(TENANT_B))
+        result.other_replies += 1
+        result.other_statuses[reply.status] += 1
+        if TENANT_A in reply.foreign(TENANT_B):
+            result.foreign_replies += 1
+
+    async def other_lane(lane: int) -> None:
+        lane_rng = random.Random(seed * 1000 + lane)
+        while not stop.is_set():
+            await other_request(lane_rng)
+
+    async def decode_allocated() -> int:
+        stats = await get_json(http, sim.decode_url + "/sim/stats")
+        return int(stats["pages_allocated"])
+
+    lanes = [asyncio.ensure_future(other_lane(i)) for i in range(other_lanes)]
+    followers: list[asyncio.Future[None]] = []
+    try:
+        for _ in range(victims):
+            phase = rng.choice(("prefill", "transfer"))
+            if phase == "prefill":
+                delay = rng.uniform(0.0, 0.9 * compute_s)
+            else:
+                delay = compute_s + rng.uniform(0.05, 0.9) * transfer_s
+            before = await decode_allocated()
+
+            async def gate(before: int = before, delay: float = delay) -> None:
+                async def reserved() -> bool:
+                    return await decode_allocated() >= before + victim_pages
+
+                assert await poll(reserved), "decode never reserved the victim's pages"
+                await asyncio.sleep(delay)
+
+            prompt = tenant_prompt(TENANT_A, victim_bytes, rng)
+            body = body_for(CHAT, prompt, stream=True, max_tokens=32)
+            if await disconnect_after(http, target, body, tenant_headers(TENANT_A), gate):
+                result.victims_cut += 1
+                result.phases[phase] += 1
+            # Tenant B right behind: the request that receives whatever pages the victim
+            # gave up (the pool hands out the most recently freed pages first).
+            followers.append(asyncio.ensure_future(other_request(rng)))
+    finally:
+        stop.set()
+        await asyncio.gather(*lanes, *followers)
+    return result
+
+
+async def sim_quiet(http: aiohttp.ClientSession, sim: SimCluster) -> dict[str, Any]:
+    """Ground truth once no request runs on either engine and every write issued so far has
+    had time to land (the longest transfer the config allows)."""
+
+    async def idle() -> bool:
+        stats = await sim_stats(http, sim)
+        return stats["prefill"]["running"] == 0 and stats["decode"]["running"] == 0
+
+    assert await poll(idle, timeout_s=30.0, interval_s=0.02), "the sim never went idle"
+    # No transfer is longer than prefill's whole pool (its pages are the source).
+    longest_pages = sim.opts.prefill_pool_tokens // sim.opts.page_size
+    await asyncio.sleep(longest_pages * sim.opts.transfer_ms_per_page / 1e3 + 0.05)
+    return await sim_stats(http, sim)
