@@ -540,3 +540,47 @@ async def sim_quiet(http: aiohttp.ClientSession, sim: SimCluster) -> dict[str, A
     longest_pages = sim.opts.prefill_pool_tokens // sim.opts.page_size
     await asyncio.sleep(longest_pages * sim.opts.transfer_ms_per_page / 1e3 + 0.05)
     return await sim_stats(http, sim)
+
+
+async def drains_over(proxy: KvproxyServer, disconnects: int) -> None:
+    """Wait (bounded) until the proxy has seen ``disconnects`` clients leave and ended the
+    deferred drain of each one."""
+
+    async def settled() -> bool:
+        seen = sum(disconnects_by_phase(proxy).values())
+        ended = sum(deferred_by_outcome(proxy).values())
+        return (
+            seen >= disconnects
+            and ended == seen
+            and sample(proxy, "kvproxy_deferred_cancellations_in_progress") == 0
+            and proxy.state.inflight == 0
+        )
+
+    assert await poll(settled, timeout_s=30.0, interval_s=0.02), (
+        disconnects_by_phase(proxy),
+        deferred_by_outcome(proxy),
+    )
+
+
+def assert_storm_contained(
+    proxy: KvproxyServer, storm: StormResult, truth: dict[str, Any], victims: int
+) -> None:
+    """What the storm must show through kvproxy: no leak by ground truth or by marker, and
+    every disconnect accounted as a drain that ended at a safe point."""
+    leaks = leak_counters(truth)
+    outcomes = deferred_by_outcome(proxy)
+    phases = disconnects_by_phase(proxy)
+    assert storm.victims_cut == victims
+    assert storm.foreign_replies == 0
+    assert set(storm.other_statuses) == {200}, storm.other_statuses
+    assert leaks == dict.fromkeys(leaks, 0), leaks
+    assert sample(proxy, "kvproxy_canary_violations_total", tenant=TENANT_B) == 0
+    # Every client that left was seen, each before its first token (prefill or transfer),
+    # and each drain ended at a safe point: decode's first token, or the response's end.
+    assert sum(phases.values()) == victims, phases
+    assert phases["streaming"] == 0, phases
+    assert sum(outcomes.values()) == victims, outcomes
+    assert outcomes["first_token"] + outcomes["completed"] == victims, outcomes
+    assert sample(proxy, "kvproxy_deferred_cancellations_in_progress") == 0
+    # Decode received every transfer it started: nothing was cut mid-way.
+    assert truth["decode"]["transfers_completed"] == truth["decode"]["transfers_started"]
