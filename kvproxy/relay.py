@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import time
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ HOP_BY_HOP = frozenset(
 )
 # A non-streaming body is kept (up to this size) to read usage and scan for canaries.
 KEEP_BODY_BYTES = 8 * 1024 * 1024
+LARGE_BODY_BYTES = 1024 * 1024
 
 
 def filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
@@ -180,7 +182,7 @@ class Exchange:
             s.session.request(
                 method,
                 url,
-                data=body,
+                data=_body_payload(body),
                 headers=headers,
                 allow_redirects=False,
                 auto_decompress=False,
@@ -461,6 +463,12 @@ class Exchange:
                 request_id=self.record.request_id,
                 deferred_s=round(duration, 3),
             )
+
+
+def _body_payload(body: bytes) -> bytes | io.BytesIO:
+    # aiohttp writes a bytes body in one go and warns above 1 MiB; a BytesIO is sent in
+    # 64 KiB pieces with the same Content-Length, so a 4 MB prompt never blocks the loop.
+    return body if len(body) <= LARGE_BODY_BYTES else io.BytesIO(body)
 
 
 def _is_sse(up: aiohttp.ClientResponse) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import socket
 
 import aiohttp
@@ -263,3 +264,42 @@ async def _scrape(
         for sample in fam.samples:
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
+
+
+async def test_keep_alive_connection_carries_consecutive_streams_intact(
+    upstream: FakeUpstream,
+) -> None:
+    # Regression: a streamed response followed by a stray second status line made the
+    # client's next request on the same connection hang.
+    chunks = sse_chunks(5)
+    upstream.route("POST", CHAT, sse_handler(chunks))
+    await upstream.start()
+    connector = aiohttp.TCPConnector(limit=1)
+    async with (
+        running_proxy(upstream.url) as proxy,
+        aiohttp.ClientSession(connector=connector) as one_conn,
+    ):
+        for _ in range(3):
+            async with one_conn.post(
+                proxy.public_url + CHAT, data=chat_body(), timeout=aiohttp.ClientTimeout(total=10)
+            ) as resp:
+                assert resp.status == 200
+                assert await resp.read() == b"".join(chunks)
+
+
+async def test_a_large_admitted_body_reaches_upstream_byte_for_byte(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"ok": True})
+
+    upstream.route("POST", CHAT, ok)
+    await upstream.start()
+    body = chat_body("y" * 3_000_000, stream=False)
+    async with running_proxy(
+        upstream.url, engines=[{"url": "static://p", "kind": "static", "capacity_tokens": 10**7}]
+    ) as proxy:
+        async with http.post(proxy.public_url + CHAT, data=io.BytesIO(body)) as resp:
+            assert resp.status == 200
+    assert upstream.received[0]["body"] == body
+    assert upstream.received[0]["headers"]["Content-Length"] == str(len(body))
