@@ -114,6 +114,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         try:
             await server.start()
             await server.state.capacity.refresh_now()
+            await _seed_tenant_a(sim.router_url)
             print(_demo_banner(server.public_url, server.admin_url, sim.router_url), flush=True)
             await _until_signalled()
         finally:
@@ -122,6 +123,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 0
 
     return _run(main)
+
+
+DEMO_CANARY = "KVCANARY-tenant-a-0123456789abcdef"
+
+
+async def _seed_tenant_a(sim_url: str) -> None:
+    """Put tenant A's synthetic private text into the simulator's KV pages, so the leak the
+    banner shows is visibly someone else's data."""
+    import aiohttp
+
+    text = f"Tenant A private notes {DEMO_CANARY}. " * 80
+    body = {"max_tokens": 1, "messages": [{"role": "user", "content": text}]}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(sim_url + "/v1/chat/completions", json=body) as resp,
+    ):
+        await resp.read()
 
 
 def _demo_banner(proxy: str, admin: str, sim: str) -> str:
@@ -137,7 +155,8 @@ Stream a reply through the proxy:
   curl -N {proxy}{chat} \\
     -d '{{"model":"sim","stream":true,"max_tokens":48,"messages":[{{"role":"user","content":"Hello kvproxy, tenant A canary KVCANARY-A-0123456789abcdef"}}]}}'
 
-The incident, straight to the simulator (over-long prompt: HTTP 200 with someone else's text):
+The incident, straight to the simulator: an over-long prompt from tenant B gets HTTP 200
+whose text is tenant A's (the demo seeded A's notes, marked {DEMO_CANARY}):
   curl -s {sim}{chat} \\
     -d "{{\\"max_tokens\\":400,\\"messages\\":[{{\\"role\\":\\"user\\",\\"content\\":\\"{long_prompt}\\"}}]}}"
 
