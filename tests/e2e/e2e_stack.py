@@ -288,6 +288,17 @@ def disconnects_by_phase(server: KvproxyServer) -> dict[str, int]:
     }
 
 
+def abandoned(server: KvproxyServer) -> int:
+    """Requests whose client left before anything was sent upstream (mid-upload): counted
+    as disconnects, with nothing to defer."""
+    return int(
+        sum(
+            sample(server, "kvproxy_requests_total", route=r, decision="abandoned")
+            for r in ("chat", "completions", "generate", "passthrough")
+        )
+    )
+
+
 def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for family in text_string_to_metric_families(text):
@@ -544,11 +555,11 @@ async def sim_quiet(http: aiohttp.ClientSession, sim: SimCluster) -> dict[str, A
 
 async def drains_over(proxy: KvproxyServer, disconnects: int) -> None:
     """Wait (bounded) until the proxy has seen ``disconnects`` clients leave and ended the
-    deferred drain of each one."""
+    deferred drain of each one that had reached the upstream."""
 
     async def settled() -> bool:
         seen = sum(disconnects_by_phase(proxy).values())
-        ended = sum(deferred_by_outcome(proxy).values())
+        ended = sum(deferred_by_outcome(proxy).values()) + abandoned(proxy)
         return (
             seen >= disconnects
             and ended == seen
