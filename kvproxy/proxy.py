@@ -114,9 +114,9 @@ async def _handle(
     except TimeoutError:
         return _reject(state, rec, errors.body_read_timeout(s.body_read_timeout_s), style)
     except ConnectionResetError:
-        # The client left mid-upload: nothing was sent upstream, nothing to defer.
-        rec.client_disconnect = "before_headers"
-        state.metrics.client_disconnects.labels("before_headers").inc()
+        # The client left mid-upload: nothing was sent upstream, nothing to defer. Counted as
+        # an abandoned request, not a client disconnect: those are the ones whose upstream
+        # the drain machine holds, so every one of them ends in a deferral outcome.
         rec.decision = "abandoned"
         return None
     rec.bytes_in = len(body)
@@ -147,6 +147,11 @@ async def _handle(
         except KvproxyError as err:
             return _reject(state, rec, err, style, extra)
         rec.decision = "admitted"
+        if _client_gone(request):
+            # It left while being counted or queued: nothing was sent, so nothing to defer.
+            lease.release()
+            rec.decision = "abandoned"
+            return None
 
     scanner = state.canaries.scanner(tenant) if state.canaries.active else None
     exchange = Exchange(
@@ -164,6 +169,11 @@ async def _handle(
     # A streamed response must be handed back to aiohttp itself: returning any other object
     # would make it write a second status line onto the same keep-alive connection.
     return resp if resp is not None else exchange.client
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
