@@ -22,15 +22,16 @@ DISCONNECT_TICK_S = 0.05
 LAG_TICK_S = 0.05
 
 
-class DisconnectWatcher:
-    def __init__(self, tick_s: float = DISCONNECT_TICK_S) -> None:
-        self._tick_s = tick_s
-        # Keyed by id(): requests are mutable mappings, hence unhashable.
-        self._watched: dict[int, tuple[web.BaseRequest, asyncio.Future[None]]] = {}
+class _Background:
+    """One long-running task with an explicit start and stop."""
+
+    name = "background"
+
+    def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="disconnect-watch")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -38,6 +39,19 @@ class DisconnectWatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class DisconnectWatcher(_Background):
+    name = "disconnect-watch"
+
+    def __init__(self, tick_s: float = DISCONNECT_TICK_S) -> None:
+        super().__init__()
+        self._tick_s = tick_s
+        # Keyed by id(): requests are mutable mappings, hence unhashable.
+        self._watched: dict[int, tuple[web.BaseRequest, asyncio.Future[None]]] = {}
 
     def watch(self, request: web.BaseRequest) -> asyncio.Future[None]:
         """A future resolved when the client's connection is gone."""
@@ -74,26 +88,18 @@ def _gone(request: web.BaseRequest) -> bool:
     return transport is None or transport.is_closing()
 
 
-class LoopLagMonitor:
+class LoopLagMonitor(_Background):
     """Measures how late a timer fires: any stall of the loop (a GIL-holding tokenizer call,
     a big synchronous parse) shows up here. Tests and benchmarks assert on `max_lag_s`."""
 
+    name = "loop-lag"
+
     def __init__(self, metrics: Metrics, tick_s: float = LAG_TICK_S) -> None:
+        super().__init__()
         self._metrics = metrics
         self._tick_s = tick_s
-        self._task: asyncio.Task[None] | None = None
         self.max_lag_s = 0.0
         self.samples = 0
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     def reset_max(self) -> None:
         self.max_lag_s = 0.0
