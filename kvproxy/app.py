@@ -183,6 +183,8 @@ class KvproxyServer:
         if state is None:
             return
         state.stopping = True
+        # Queued requests were never forwarded: tell them now (429) rather than at the end.
+        state.budget.reject_waiting()
         if self._public_site is not None:
             await self._public_site.stop()
         if state.inflight:
