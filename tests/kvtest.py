@@ -85,12 +85,9 @@ async def running_proxy(
     upstream_url: str, *, refresh: bool = True, **overrides: Any
 ) -> AsyncIterator[KvproxyServer]:
     overrides.setdefault("engines", static_engines())
+    overrides.setdefault("access_log", False)
     settings = load_settings(
-        listen="127.0.0.1:0",
-        admin_listen="127.0.0.1:0",
-        upstream=upstream_url,
-        access_log=False,
-        **overrides,
+        listen="127.0.0.1:0", admin_listen="127.0.0.1:0", upstream=upstream_url, **overrides
     )
     server = KvproxyServer(settings, Metrics())
     await server.start()

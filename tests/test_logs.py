@@ -1,0 +1,102 @@
+"""I8: prompts and completions never reach a log line; the access log has one JSON line per
+request with sizes, ids, decisions and reasons."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from kvtest import FakeUpstream, running_proxy
+
+from kvproxy.logs import JsonFormatter
+
+SECRET_PROMPT = "tenant-secret-prompt-4f1c"
+SECRET_REPLY = "tenant-secret-completion-9a2e"
+
+
+@pytest.fixture
+def captured() -> io.StringIO:
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    yield buf  # type: ignore[misc]
+    root.removeHandler(handler)
+    root.setLevel(old_level)
+
+
+async def test_no_prompt_or_completion_text_in_any_log_line(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, captured: io.StringIO
+) -> None:
+    async def reply(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": SECRET_REPLY}}]}
+        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    upstream.route("POST", "/v1/chat/completions", reply)
+    await upstream.start()
+    async with running_proxy(upstream.url, access_log=True) as proxy:
+        for content, stream in ((SECRET_PROMPT, True), (SECRET_PROMPT * 20_000, False)):
+            body = {
+                "model": "m",
+                "stream": stream,
+                "messages": [{"role": "user", "content": content}],
+            }
+            async with http.post(
+                proxy.public_url + "/v1/chat/completions",
+                data=orjson.dumps(body),
+                headers={"Authorization": "Bearer sk-live-secret-token"},
+            ) as resp:
+                await resp.read()
+        # Invalid JSON that quotes the secret must not echo it back into a log either.
+        async with http.post(
+            proxy.public_url + "/v1/chat/completions",
+            data=b'{"messages": "' + SECRET_PROMPT.encode(),
+        ) as resp:
+            assert resp.status == 400
+            assert SECRET_PROMPT not in await resp.text()
+    text = captured.getvalue()
+    assert SECRET_PROMPT not in text
+    assert SECRET_REPLY not in text
+    assert "sk-live-secret-token" not in text
+    access = [json.loads(line) for line in text.splitlines() if '"kvproxy.access"' in line]
+    assert len(access) == 3
+    first = access[0]
+    assert first["route"] == "chat"
+    assert first["decision"] == "admitted"
+    assert first["status"] == 200
+    assert first["bytes_in"] > 0
+    assert first["bytes_out"] > 0
+    assert first["prompt_tokens"] > 0
+    assert access[1]["decision"] == "rejected"
+    assert access[1]["reason"] == "context_length"
+    assert access[2]["reason"] == "invalid_request"
+
+
+async def test_engine_counting_more_than_the_proxy_is_flagged(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, captured: io.StringIO
+) -> None:
+    async def reply(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {"choices": [{"message": {"content": "ok"}}], "usage": {"prompt_tokens": 10_000}}
+        )
+
+    upstream.route("POST", "/v1/chat/completions", reply)
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        body = {"model": "m", "messages": [{"role": "user", "content": "short"}]}
+        async with http.post(proxy.public_url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+        assert proxy.metrics.token_bound_exceeded._value.get() == 1
+    assert "tokenizer does not match the model" in captured.getvalue()
