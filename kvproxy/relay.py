@@ -119,7 +119,6 @@ class Exchange:
         self.texts = StreamTexts()
         self.token_seen = False
         self.kept = bytearray()
-        self.blocked = False
 
     # --- the racing wait ----------------------------------------------------------------
 
@@ -309,7 +308,8 @@ class Exchange:
                 self.kept += chunk
                 if len(self.kept) > KEEP_BODY_BYTES * 8:
                     # Too big to hold for scanning; fail closed rather than deliver unscanned.
-                    return await self._block(up)
+                    too_big = errors.upstream_bad_response("response too large to scan")
+                    return await self._block(up, too_big)
                 continue
             if len(self.kept) < KEEP_BODY_BYTES and not is_sse:
                 self.kept += chunk
@@ -408,13 +408,15 @@ class Exchange:
             action=self.state.settings.canary_action,
         )
 
-    async def _block(self, up: aiohttp.ClientResponse) -> web.StreamResponse | None:
-        self.blocked = True
+    async def _block(
+        self, up: aiohttp.ClientResponse, err: KvproxyError | None = None
+    ) -> web.StreamResponse | None:
+        """Withhold the rest of the response (a canary hit, by default)."""
         # The marker arrived in a generated token: decode holds its KV, the transfer is
         # over, so closing the upstream now is a safe point (I5).
         if not self.machine.upstream_closed:
             self.machine.handle(drain.UpstreamEOF(now=time.monotonic()))
-        err = errors.canary_violation()
+        err = err or errors.canary_violation()
         self.record.upstream_outcome = err.code
         if self.gone_seen:
             return None
