@@ -27,16 +27,19 @@ from e2e_stack import (
     abandoned,
     body_for,
     deferred_by_outcome,
+    disconnect_after,
     disconnects_by_phase,
     drains_over,
     leak_counters,
     open_fds,
     parse_reply,
     poll,
+    post,
     proxy_for,
     sample,
     sim_cluster,
     sim_quiet,
+    sim_stats,
     tenant_headers,
     tenant_prompt,
 )
@@ -174,11 +177,11 @@ def _check_accounting(
 ) -> None:
     outcomes = deferred_by_outcome(proxy)
     phases = disconnects_by_phase(proxy)
-    # Each disconnect the proxy saw became exactly one drain, ended at a safe point, unless
-    # the client left mid-upload, before anything could be sent upstream.
-    assert sum(outcomes.values()) + abandoned(proxy) == sum(phases.values()), (outcomes, phases)
+    # Each disconnect the proxy saw became exactly one drain, ended at a safe point. Those
+    # that left before anything was forwarded are abandoned requests, not disconnects.
+    assert sum(outcomes.values()) == sum(phases.values()), (outcomes, phases)
     assert outcomes["timeout"] == outcomes["upstream_error"] == outcomes["shutdown"] == 0
-    assert sum(phases.values()) <= left
+    assert sum(phases.values()) + abandoned(proxy) <= left
     answered = Counter(reply.status for _, reply in results if reply is not None)
     admitted = sum(
         sample(proxy, "kvproxy_requests_total", route=r, decision="admitted")
@@ -201,3 +204,48 @@ async def _no_leftovers(fds_before: int, tasks_before: int) -> None:
         fds_before,
         [t.get_name() for t in asyncio.all_tasks()],
     )
+
+
+async def test_a_client_that_left_while_queued_is_not_forwarded() -> None:
+    """One request slot: A holds it with a long stream, B queues behind it and gives up.
+    When A ends and the slot passes to B, nothing must be sent upstream for B: its client
+    is gone, so forwarding would spend a prefill and a KV transfer on nobody."""
+    rng = random.Random(3)
+    async with (
+        sim_cluster(mode="vulnerable") as sim,
+        proxy_for(sim, max_inflight_requests=1, queue_timeout_s=60.0) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
+        holder_body = body_for(CHAT, tenant_prompt(TENANT_A, 600, rng), stream=True, max_tokens=600)
+        holder = asyncio.ensure_future(
+            post(http, proxy.public_url, CHAT, holder_body, tenant_headers(TENANT_A))
+        )
+        budget = proxy.state.budget
+
+        async def holding() -> bool:
+            return budget.requests_in_use == 1
+
+        assert await poll(holding)
+
+        async def queued() -> None:
+            async def waiting() -> bool:
+                return budget.queue_depth == 1
+
+            assert await poll(waiting)
+
+        body = body_for(CHAT, tenant_prompt(TENANT_B, 300, rng), stream=True, max_tokens=64)
+        assert await disconnect_after(
+            http, proxy.public_url, body, tenant_headers(TENANT_B), queued
+        )
+        reply = await holder
+        assert reply.status == 200
+
+        async def idle() -> bool:
+            return proxy.state.inflight == 0 and budget.requests_in_use == 0
+
+        assert await poll(idle)
+        truth = await sim_stats(http, sim)
+    assert truth["router"]["requests_by_route"] == {CHAT: 1}, truth["router"]["requests_by_route"]
+    assert abandoned(proxy) == 1
+    assert sum(disconnects_by_phase(proxy).values()) == 0
+    assert sum(deferred_by_outcome(proxy).values()) == 0
