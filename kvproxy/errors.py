@@ -176,6 +176,8 @@ def body_read_timeout(timeout_s: float) -> KvproxyError:
         code="request_timeout",
         reason="body_read_timeout",
         message=f"request body was not received within {timeout_s:g} s",
+        # The rest of the body may still be on its way: this connection cannot be reused.
+        headers={"Connection": "close"},
     )
 
 

@@ -484,6 +484,11 @@ def error_response(
 ) -> web.Response:
     headers = dict(extra_headers or {})
     headers.update(err.headers)
-    return web.Response(
+    resp = web.Response(
         status=err.status, body=err.body(style), content_type="application/json", headers=headers
     )
+    if headers.get("Connection", "").lower() == "close":
+        # The header alone does not make aiohttp close: it would keep the connection and,
+        # after a 408, linger up to 10 s reading the rest of a slow client's body.
+        resp.force_close()
+    return resp
