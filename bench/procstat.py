@@ -78,6 +78,43 @@ def tree_cpu_s(pids: list[int]) -> float:
     return total
 
 
+def listening_inodes(port: int) -> set[int]:
+    """Socket inodes listening on TCP `port` (IPv4 and IPv6), from /proc/net/tcp*."""
+    inodes: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            # cols[1] is "ADDR:PORT" in hex, cols[3] the state (0A = LISTEN), cols[9] inode.
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(cols[9]))
+    return inodes
+
+
+def serves_port(pids: list[int], port: int) -> bool:
+    """True when the listening socket on `port` is held by one of `pids` or their children:
+    proof that requests to the port reach the target and not a stray process."""
+    wanted = {f"socket:[{i}]" for i in listening_inodes(port)}
+    if not wanted:
+        return False
+    for root in pids:
+        for p in tree(root):
+            try:
+                fds = os.listdir(f"/proc/{p}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    if os.readlink(f"/proc/{p}/fd/{fd}") in wanted:
+                        return True
+                except OSError:
+                    continue
+    return False
+
+
 @dataclass(frozen=True)
 class Memory:
     rss_kib: int

@@ -294,6 +294,7 @@ def _long_section(r: Results) -> list[str]:
                     target,
                     size,
                     _fmt(row["e2e_ms_median"], 1),
+                    _fmt(row.get("cpu_ms_per_request"), 1) if target != "direct" else "—",
                     ", ".join(f"{k} {v:.2f}" for k, v in dec.items()) or "—",
                     row.get("x-kvproxy-prompt-tokens", "—"),
                     ",".join(str(s) for s in row["statuses"])
@@ -305,6 +306,7 @@ def _long_section(r: Results) -> list[str]:
             "target",
             "prompt",
             "end to end ms (median)",
+            "target CPU ms/request",
             "decision ms by method (kvproxy metrics, mean)",
             "tokens used",
             "HTTP",

@@ -17,6 +17,7 @@ import argparse
 import datetime as dt
 import importlib.metadata as md
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,7 @@ import procstat
 import report
 import targets
 import workloads
-from servers import Managed, free_port, stop_all, wait_port
+from servers import Managed, StartError, free_port, stop_all, wait_port
 from targets import LOAD_CPU, Running, Upstream
 
 BENCH = Path(__file__).resolve().parent
@@ -143,6 +144,7 @@ class Bench:
         self.d, default_rounds = PROFILES[args.mode]
         self.rounds = args.rounds or default_rounds
         self.notes: list[str] = []
+        self.failed = False
         self.sims: dict[str, str] = {}
 
     def log(self, msg: str) -> None:
@@ -198,12 +200,17 @@ class Bench:
         try:
             run = starter(up, self.work)
         except Exception as exc:
+            self.failed = True
             self.notes.append(f"{name} did not start: {exc}".replace("\n", " ")[:400])
             self.log(f"{name}: did not start: {exc}")
             return None
         try:
+            port = int(run.url.rsplit(":", 1)[1])
+            if not procstat.serves_port(run.pids, port):
+                raise StartError(f"port {port} is not served by {name}'s processes {run.pids}")
             return fn(run)
         except Exception as exc:
+            self.failed = True
             self.notes.append(f"{name}: {type(exc).__name__}: {exc}".replace("\n", " ")[:400])
             self.log(f"{name}: failed: {exc}")
             traceback.print_exc()
@@ -368,31 +375,38 @@ def main(argv: list[str] | None = None) -> int:
         "machine": procstat.machine(),
         "load_start": procstat.load_average(),
     }
-    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
-        bench = Bench(args, Path(tmp))
-        meta["rounds"] = bench.rounds
-        meta["method"] = method_lines(pinned, bench)
-        results: dict[str, Any] = {"meta": meta}
-        try:
-            chat, sse = bench.start_upstreams()
-            small, relay, starters = bench.comparison(chat, sse)
-            results["small_chat"], results["sse"] = small, relay
-            if args.mode != "tiny":
-                results["long_prompts"] = bench.long_prompts(chat, starters)
-                results["decision_latency"] = bench.decision_latency()
-                results["mixed"] = bench.mixed(chat)
-                results["memory"] = bench.memory(chat)
-            else:
-                bench.notes.append("tiny mode: long-prompt, mixed and memory phases skipped")
-        finally:
-            stop_all()
-        results["problems"] = [
-            row["problem"]
-            for section in ("small_chat", "sse")
-            for row in results.get(section, {}).values()
-            if row.get("problem")
-        ]
-        results["notes"] = bench.notes
+    # Server logs go to a per-run directory under bench/out/ (ignored by git); it is kept
+    # only when something failed, so the note in the report can point at the log.
+    (BENCH / "out").mkdir(exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="run-", dir=BENCH / "out"))
+    bench = Bench(args, workdir)
+    meta["rounds"] = bench.rounds
+    meta["method"] = method_lines(pinned, bench)
+    results: dict[str, Any] = {"meta": meta}
+    try:
+        chat, sse = bench.start_upstreams()
+        small, relay, starters = bench.comparison(chat, sse)
+        results["small_chat"], results["sse"] = small, relay
+        if args.mode != "tiny":
+            results["long_prompts"] = bench.long_prompts(chat, starters)
+            results["decision_latency"] = bench.decision_latency()
+            results["mixed"] = bench.mixed(chat)
+            results["memory"] = bench.memory(chat)
+        else:
+            bench.notes.append("tiny mode: long-prompt, mixed and memory phases skipped")
+    finally:
+        stop_all()
+    results["problems"] = [
+        row["problem"]
+        for section in ("small_chat", "sse")
+        for row in results.get(section, {}).values()
+        if row.get("problem")
+    ]
+    results["notes"] = bench.notes
+    if bench.failed:
+        bench.notes.append(f"server logs kept in {workdir.relative_to(BENCH.parent)}/")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     meta["wall_s"] = time.monotonic() - started
     meta["load_end"] = procstat.load_average()
     meta["versions"] = _versions()

@@ -201,7 +201,12 @@ def long_prompts(run: Running, reps: int) -> dict[str, Any]:
         statuses: list[int] = []
         decided: dict[str, str] = {}
         codes: set[str] = set()
-        post(run.url, body)  # warm: first big read grows buffers
+        # Warm-up (the first big read grows buffers) and a check that the target, not
+        # something else on its port, relayed the upstream's reply.
+        first = _problem(*post(run.url, body), None)
+        if first is not None and run.admin_url is None:
+            raise WrongAnswer(f"{run.name}: {first} for a {label} prompt")
+        c0 = procstat.tree_cpu_s(run.pids)
         for _ in range(reps):
             t0 = time.perf_counter()
             status, headers, data = post(run.url, body)
@@ -212,8 +217,10 @@ def long_prompts(run: Running, reps: int) -> dict[str, Any]:
             for h in ("x-kvproxy-decision", "x-kvproxy-prompt-tokens"):
                 if h in headers:
                     decided[h] = headers[h]
+        cpu_s = procstat.tree_cpu_s(run.pids) - c0
         row: dict[str, Any] = {
             "bytes": len(body),
+            "cpu_ms_per_request": round(cpu_s / reps * 1e3, 2),
             "e2e_ms_median": round(statistics.median(times) * 1e3, 2),
             "e2e_ms_max": round(max(times) * 1e3, 2),
             "statuses": sorted(set(statuses)),
