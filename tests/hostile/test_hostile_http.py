@@ -290,3 +290,66 @@ async def test_oversized_body_is_413_without_buffering_it(
         assert peak < peak_bound_mib * MIB, f"peak {peak / MIB:.1f} MiB"
         assert await wait_until(lambda: proxy.state.inflight == 0)
     assert upstream.received == []
+
+
+async def test_shutting_down_answer_really_closes_the_connection(upstream: FakeUpstream) -> None:
+    """A keep-alive client that sends during the drain gets 503 `Connection: close`, and the
+    connection is closed, so it reconnects to a replica that is not going away."""
+    release = asyncio.Event()
+
+    async def stall(request: web.Request) -> web.StreamResponse:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(release.wait(), 20)
+        return web.json_response({"id": "late", "choices": []})
+
+    upstream.route("POST", CHAT, stall)
+    upstream.route("GET", "/v1/models", lambda request: _models())
+    await upstream.start()
+    async with running_proxy(upstream.url, shutdown_grace_s=30) as proxy:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.public_port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert (await _read_response(reader, 10)).startswith(b"HTTP/1.1 200")
+        held = asyncio.ensure_future(_exchange(proxy.public_port, _post_head()))
+        assert await wait_until(lambda: len(upstream.received) == 2)
+        stopping = asyncio.ensure_future(proxy.stop())
+        try:
+            assert await wait_until(lambda: proxy.state.stopping)
+            writer.write(_post_head())
+            answer = await _read_response(reader, 10)
+            assert answer.startswith(b"HTTP/1.1 503")
+            assert b'"code":"shutting_down"' in answer
+            assert b"Connection: close" in answer
+            assert await asyncio.wait_for(reader.read(), 25) == b""
+            # Closed by the answer itself, not by the hard stop at the end of the grace period.
+            assert not proxy.state.hard_stop.done()
+        finally:
+            release.set()
+            await asyncio.wait_for(stopping, 30)
+            await _close(writer)
+        # The request in flight when the drain began was let finish.
+        assert (await asyncio.wait_for(held, 10)).startswith(b"HTTP/1.1 200")
+    assert len(upstream.received) == 2
+
+
+async def _models() -> web.StreamResponse:
+    return web.json_response({"data": []})
+
+
+async def _exchange(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        return await _read_response(reader, 30)
+    finally:
+        await _close(writer)
+
+
+def _post_head() -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n"
+        % (
+            CHAT.encode(),
+            len(BODY),
+        )
+        + BODY
+    )
