@@ -133,6 +133,11 @@ class KvproxyServer:
             shutdown_timeout=FINAL_CLEANUP_S,
         )
         await self._public.setup()
+        # aiohttp has no header-read timeout: wrap its protocol factory so a connection that
+        # never completes a request head (slowloris) is closed instead of held forever.
+        self._public._server = _HeaderDeadline(  # type: ignore[assignment]
+            self._public.server, s.header_read_timeout_s
+        )
         host, port = s.listen_host_port
         self._public_site = web.TCPSite(self._public, host, port, backlog=1024)
         await self._public_site.start()
@@ -212,6 +217,30 @@ class KvproxyServer:
         if self._admin is not None:
             await self._admin.cleanup()
         self._state = None
+
+
+class _HeaderDeadline:
+    """Protocol factory around aiohttp's: closes a connection whose first request head has
+    not been parsed `timeout_s` after it was accepted. Everything else is delegated."""
+
+    def __init__(self, server: web.Server | None, timeout_s: float) -> None:
+        assert server is not None
+        self._server = server
+        self._timeout_s = timeout_s
+
+    def __call__(self) -> Any:
+        handler = self._server()
+        asyncio.get_running_loop().call_later(self._timeout_s, _cut_if_headless, handler)
+        return handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+def _cut_if_headless(handler: Any) -> None:
+    # `_request_count` counts request heads parsed on this connection (aiohttp 3.9+).
+    if getattr(handler, "_request_count", 1) == 0 and handler.transport is not None:
+        handler.transport.close()
 
 
 def _json(data: Any, status: int = 200) -> web.Response:

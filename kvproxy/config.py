@@ -86,6 +86,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=32 * MIB, ge=1024)
     # A client must deliver its whole body within this time (slowloris guard).
     body_read_timeout_s: float = Field(default=60.0, gt=0)
+    # ...and its first request's headers within this time of connecting.
+    header_read_timeout_s: float = Field(default=30.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     # Worst time between two upstream reads: a 1M-token prefill can take minutes before the
     # first byte; the router sends nothing meanwhile.
