@@ -161,12 +161,12 @@ def invalid_request(message: str, param: str | None = None) -> KvproxyError:
 
 
 def body_too_large(size: int | None, limit: int) -> KvproxyError:
-    got = f"{size:,} bytes" if size is not None else "more"
+    got = f"request body is {size:,} bytes" if size is not None else "request body is larger"
     return KvproxyError(
         status=413,
         code="request_too_large",
         reason="body_too_large",
-        message=f"request body is {got}; the limit is {limit:,} bytes (KVPROXY_MAX_BODY_BYTES)",
+        message=f"{got}; the limit is {limit:,} bytes (KVPROXY_MAX_BODY_BYTES)",
     )
 
 
