@@ -49,7 +49,7 @@ from kvproxy.app import KvproxyServer
 REQUESTS = 200
 MAX_REQUESTS = 16
 MAX_TOKENS = 6000
-BUDGET = {
+BUDGET: dict[str, Any] = {
     "max_inflight_requests": MAX_REQUESTS,
     "max_inflight_prompt_tokens": MAX_TOKENS,
     # Every request holds its slot for >= 0.1 s of decode (1 ms per echoed token), so 16

@@ -9,21 +9,22 @@ deferred-cancellation metrics account for every disconnect the proxy saw.
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 from e2e_stack import (
-    assert_storm_contained,
-    disconnect_storm,
     drains_over,
     leak_counters,
     proxy_for,
     sim_cluster,
     sim_quiet,
 )
+from e2e_storm import assert_storm_contained, disconnect_storm
 
 VICTIMS = 40
 SEED = 5
 # 2,024-token victims: ~80 ms of prefill, 127 pages landing ~0.25 s after they are issued.
-SIM = {"mode": "vulnerable", "transfer_ms_per_page": 2.0}
+SIM: dict[str, Any] = {"mode": "vulnerable", "transfer_ms_per_page": 2.0}
 
 
 async def test_direct_to_the_vulnerable_sim_leaks() -> None:

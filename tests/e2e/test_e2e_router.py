@@ -22,11 +22,9 @@ from e2e_stack import (
     GENERATE,
     TENANT_A,
     RealRouter,
-    assert_storm_contained,
     body_for,
     deferred_by_outcome,
     disconnect_after,
-    disconnect_storm,
     drains_over,
     get_json,
     leak_counters,
@@ -43,6 +41,7 @@ from e2e_stack import (
     tenant_headers,
     tenant_prompt,
 )
+from e2e_storm import assert_storm_contained, disconnect_storm
 
 from kvproxy.sim import SimCluster
 
@@ -142,7 +141,7 @@ async def test_rejections_never_reach_the_router(tmp_path: Path) -> None:
 
 LEAVERS = 4
 # ~1 s of prefill compute for a 2,024-token prompt: a wide, certain window to leave in.
-SLOW_PREFILL = {"mode": "vulnerable", "prefill_us_per_token": 500.0}
+SLOW_PREFILL: dict[str, Any] = {"mode": "vulnerable", "prefill_us_per_token": 500.0}
 
 
 async def _leave_during_prefill(http: aiohttp.ClientSession, target: str, sim: SimCluster) -> int:
@@ -199,7 +198,7 @@ async def test_prefill_disconnect_bare_router_cuts_both_legs_kvproxy_does_not(
 
 VICTIMS = 40
 SEED = 7
-STORM_SIM = {"mode": "vulnerable", "transfer_ms_per_page": 2.0}
+STORM_SIM: dict[str, Any] = {"mode": "vulnerable", "transfer_ms_per_page": 2.0}
 
 
 async def test_storm_through_the_bare_router_leaks(tmp_path: Path) -> None:

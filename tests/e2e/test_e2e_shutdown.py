@@ -17,6 +17,7 @@ import random
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from e2e_stack import (
@@ -41,7 +42,7 @@ from e2e_stack import (
 from kvproxy.sim import SimCluster
 
 # 2,024 tokens at 1.5 ms each: ~3 s of prefill compute, the window SIGTERM lands in.
-SIM = {"mode": "vulnerable", "prefill_us_per_token": 1500.0}
+SIM: dict[str, Any] = {"mode": "vulnerable", "prefill_us_per_token": 1500.0}
 EXIT_TIMEOUT_S = 60.0
 
 
