@@ -152,6 +152,11 @@ async def _handle(
             lease.release()
             rec.decision = "abandoned"
             return None
+        if lease.waited_s > 0:
+            stale = _recheck(state, shape, verdict)
+            if stale is not None:
+                lease.release()
+                return _reject(state, rec, stale, style, extra)
 
     scanner = state.canaries.scanner(tenant) if state.canaries.active else None
     exchange = Exchange(
@@ -223,6 +228,26 @@ async def _admit(
     if isinstance(verdict, admission.Reject):
         return verdict.error
     return shape, verdict
+
+
+def _recheck(
+    state: ServerState, shape: PromptShape, verdict: admission.Admit
+) -> KvproxyError | None:
+    """I1 at send time: the limits can fall while a request queues for budget (an engine
+    restarted onto a smaller pool), and a decision taken before must still hold."""
+    again = admission.decide(
+        admission.PromptCount(
+            tokens=verdict.prompt_tokens,
+            method=verdict.method,
+            exact=verdict.method != "bound",
+            output_tokens=shape.max_output_tokens,
+            n=shape.n,
+            param=shape.prompt_param,
+        ),
+        state.capacity.limits(),
+        admission.Policy(state.settings.decode_policy, state.settings.default_output_tokens),
+    )
+    return again.error if isinstance(again, admission.Reject) else None
 
 
 def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.LimitsView) -> int:
