@@ -249,3 +249,68 @@ async def test_a_client_that_left_while_queued_is_not_forwarded() -> None:
     assert abandoned(proxy) == 1
     assert sum(disconnects_by_phase(proxy).values()) == 0
     assert sum(deferred_by_outcome(proxy).values()) == 0
+
+
+async def test_a_decision_is_not_forwarded_after_the_pool_shrank_while_it_queued() -> None:
+    """One request slot. A holds it with a slow stream; X, a prompt that fits the prefill
+    pool of the moment, queues behind it. Meanwhile prefill restarts onto a smaller pool
+    that X does not fit, and kvproxy measures it. When A ends, X must not be forwarded on
+    the strength of the old measurement: the vulnerable engine would run the incident."""
+    rng = random.Random(4)
+    async with (
+        sim_cluster(mode="vulnerable", decode_ms_per_token=10.0) as sim,
+        proxy_for(
+            sim,
+            max_inflight_requests=1,
+            queue_timeout_s=60.0,
+            capacity_refresh_s=0.2,
+            capacity_stale_s=0.5,
+        ) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
+        budget, capacity = proxy.state.budget, proxy.state.capacity
+        old_limit = int(sample(proxy, "kvproxy_admission_limit_tokens"))
+        holder_body = body_for(CHAT, tenant_prompt(TENANT_A, 600, rng), stream=True, max_tokens=600)
+        holder = asyncio.ensure_future(
+            post(http, proxy.public_url, CHAT, holder_body, tenant_headers(TENANT_A))
+        )
+
+        async def holding() -> bool:
+            return budget.requests_in_use == 1 and (
+                (await sim_stats(http, sim))["decode"]["transfers_completed"] == 1
+            )
+
+        assert await poll(holding)
+        size = old_limit - 200
+        queued_body = body_for(CHAT, tenant_prompt(TENANT_B, size, rng), stream=False, max_tokens=8)
+        queued = asyncio.ensure_future(
+            post(http, proxy.public_url, CHAT, queued_body, tenant_headers(TENANT_B))
+        )
+
+        async def waiting() -> bool:
+            return budget.queue_depth == 1
+
+        assert await poll(waiting)
+        await sim.stop_server("prefill")
+
+        async def unknown() -> bool:
+            return not capacity.ready()
+
+        assert await poll(unknown)
+        await sim.start_server("prefill", pool_tokens=2000)
+
+        async def remeasured() -> bool:
+            return capacity.ready()
+
+        assert await poll(remeasured)
+        new_limit = int(sample(proxy, "kvproxy_admission_limit_tokens"))
+        assert new_limit < size < old_limit
+        assert budget.queue_depth == 1, "the holder ended before the pool changed"
+        assert (await holder).status == 200
+        reply = await queued
+        truth = await sim_stats(http, sim)
+    assert truth["prefill"]["pending_rejections"] == 0, "an over-pool prompt reached prefill"
+    assert truth["prefill"]["requests_by_route"] == {}, truth["prefill"]["requests_by_route"]
+    assert reply.status == 400, reply.status
+    assert reply.error is not None
+    assert reply.error["error"]["code"] == "context_length_exceeded"
