@@ -58,8 +58,14 @@ def main() -> None:
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args()
     app = make_app(args.upstream)
-    web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None,
-                loop=uvloop.new_event_loop())  # fmt: skip
+    web.run_app(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        access_log=None,
+        print=None,
+        loop=uvloop.new_event_loop(),
+    )
 
 
 if __name__ == "__main__":

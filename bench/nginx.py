@@ -89,15 +89,20 @@ def _response_literal() -> str:
 
 def start_upstream(workdir: Path, port: int, *, cpu: int | None) -> Managed:
     conf = _prepare(workdir, _UPSTREAM.format(port=port, response=_response_literal()))
-    m = Managed("nginx-upstream", [NGINX, "-c", str(conf), "-p", str(workdir)], cpu=cpu,
-                log=workdir / "stderr.log").start()  # fmt: skip
+    m = Managed(
+        "nginx-upstream",
+        [NGINX, "-c", str(conf), "-p", str(workdir)],
+        cpu=cpu,
+        log=workdir / "stderr.log",
+    ).start()
     wait_port(port, proc=m)
     return m
 
 
 def start_proxy(workdir: Path, port: int, upstream_port: int, *, cpu: int | None) -> Managed:
     conf = _prepare(workdir, _PROXY.format(port=port, upstream_port=upstream_port))
-    m = Managed("nginx", [NGINX, "-c", str(conf), "-p", str(workdir)], cpu=cpu,
-                log=workdir / "stderr.log").start()  # fmt: skip
+    m = Managed(
+        "nginx", [NGINX, "-c", str(conf), "-p", str(workdir)], cpu=cpu, log=workdir / "stderr.log"
+    ).start()
     wait_port(port, proc=m)
     return m

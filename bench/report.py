@@ -325,6 +325,12 @@ def _mixed_section(r: Results) -> list[str]:
     if not mx:
         return []
     out = ["## Mixed: small requests while 4 MB prompts are counted (kvproxy)", ""]
+    if "small_rate_asked_rps" in mx:
+        out += [
+            f"Small requests paced at {mx['small_rate_asked_rps']:g} req/s "
+            f"(achieved {mx['small_rps']:g} with the 4 MB prompts).",
+            "",
+        ]
     out += _table(
         ["figure", "idle", "with 4 MB prompts"],
         [

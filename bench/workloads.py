@@ -270,31 +270,40 @@ class BigSender(threading.Thread):
                 self.codes.add(_error_code(data))
 
 
-def _paced(run: Running, d: Durations) -> tuple[WrkResult, scrape.HistDelta, dict[str, float]]:
+PACED_CONNECTIONS = 2
+
+
+def _paced(
+    run: Running, d: Durations, delay_ms: int
+) -> tuple[WrkResult, scrape.HistDelta, dict[str, float]]:
     body = small_chat_body()
     before = scrape.scrape(run.admin_url or "")
-    # 4 connections, 10 ms apart each: ~400 req/s, well under saturation, so p99 shows
-    # stalls and not queueing.
-    res = run_wrk(run.url, body, duration_s=d.mixed_s, connections=4, delay_ms=10)
+    res = run_wrk(
+        run.url, body, duration_s=d.mixed_s, connections=PACED_CONNECTIONS, delay_ms=delay_ms
+    )
     after = scrape.scrape(run.admin_url or "")
     lag = scrape.hist_delta(before, after, "kvproxy_event_loop_lag_seconds")
     return res, lag, decision_ms(before, after)
 
 
-def mixed(run: Running, d: Durations) -> dict[str, Any]:
+def mixed(run: Running, d: Durations, rate_rps: float) -> dict[str, Any]:
+    """Small requests at `rate_rps` (paced, well below saturation, so their p99 shows stalls
+    rather than queueing), first alone, then while 4 MB prompts are sent one after another."""
     if not run.admin_url:
         raise ValueError("mixed needs a target with kvproxy's admin port")
     check(run)
-    idle, idle_lag, _ = _paced(run, d)
+    delay_ms = max(1, round(PACED_CONNECTIONS * 1000 / rate_rps))
+    idle, idle_lag, _ = _paced(run, d, delay_ms)
     sender = BigSender(run.url, long_chat_body(LONG_SIZES["4MB"]))
     sender.start()
     try:
-        loaded, lag, methods = _paced(run, d)
+        loaded, lag, methods = _paced(run, d, delay_ms)
     finally:
         sender.stop_flag.set()
         sender.join(120)
     max_lag = scrape.value(scrape.scrape(run.admin_url), "kvproxy_event_loop_lag_max_seconds")
     return {
+        "small_rate_asked_rps": round(rate_rps, 1),
         "small_rps": round(loaded.rps, 1),
         "small_p50_us_idle": idle.p50_us,
         "small_p99_us_idle": idle.p99_us,
