@@ -19,7 +19,6 @@ import uuid
 
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from kvproxy import admission, errors
 from kvproxy.errors import ErrorStyle, KvproxyError
@@ -164,7 +163,7 @@ async def _handle(
     )
     try:
         url = s.upstream + request.rel_url.raw_path_qs
-        resp = await exchange.run(request.method, url, _as_multidict(headers), body)
+        resp = await exchange.run(request.method, url, headers, body)
     finally:
         # I6: the budget comes back only now, when the upstream connection is closed.
         if lease is not None:
@@ -212,19 +211,7 @@ async def _admit(
     m.prompt_tokens.labels(count.method).observe(count.tokens)
     rec.prompt_tokens = count.tokens
     rec.count_method = count.method
-    policy = admission.Policy(state.settings.decode_policy, state.settings.default_output_tokens)
-    verdict = admission.decide(
-        admission.PromptCount(
-            tokens=count.tokens,
-            method=count.method,
-            exact=count.exact,
-            output_tokens=shape.max_output_tokens,
-            n=shape.n,
-            param=shape.prompt_param,
-        ),
-        limits,
-        policy,
-    )
+    verdict = _decide(state, shape, count.tokens, count.method, count.exact, limits)
     if isinstance(verdict, admission.Reject):
         return verdict.error
     return shape, verdict
@@ -235,19 +222,37 @@ def _recheck(
 ) -> KvproxyError | None:
     """I1 at send time: the limits can fall while a request queues for budget (an engine
     restarted onto a smaller pool), and a decision taken before must still hold."""
-    again = admission.decide(
-        admission.PromptCount(
-            tokens=verdict.prompt_tokens,
-            method=verdict.method,
-            exact=verdict.method != "bound",
-            output_tokens=shape.max_output_tokens,
-            n=shape.n,
-            param=shape.prompt_param,
-        ),
+    again = _decide(
+        state,
+        shape,
+        verdict.prompt_tokens,
+        verdict.method,
+        verdict.method != "bound",
         state.capacity.limits(),
-        admission.Policy(state.settings.decode_policy, state.settings.default_output_tokens),
     )
     return again.error if isinstance(again, admission.Reject) else None
+
+
+def _decide(
+    state: ServerState,
+    shape: PromptShape,
+    tokens: int,
+    method: admission.CountMethod,
+    exact: bool,
+    limits: admission.LimitsView,
+) -> admission.Decision:
+    count = admission.PromptCount(
+        tokens=tokens,
+        method=method,
+        exact=exact,
+        output_tokens=shape.max_output_tokens,
+        n=shape.n,
+        param=shape.prompt_param,
+    )
+    s = state.settings
+    return admission.decide(
+        count, limits, admission.Policy(s.decode_policy, s.default_output_tokens)
+    )
 
 
 def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.LimitsView) -> int:
@@ -304,7 +309,3 @@ def _drift(state: ServerState, rec: AccessRecord, engine_tokens: int) -> None:
             engine_tokens,
             rec.prompt_tokens,
         )
-
-
-def _as_multidict(h: CIMultiDict[str]) -> CIMultiDict[str]:
-    return h
