@@ -464,7 +464,8 @@ def markdown(record: ReleaseRecord) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", help="JSON list as in KVPROXY_ENGINES (default: that variable)")
+    p.add_argument("--config", help="kvproxy YAML config to read engines and max_context from")
+    p.add_argument("--engines", help="JSON list as in KVPROXY_ENGINES (default: the config)")
     p.add_argument("--max-context", type=int, help="declared context (KVPROXY_MAX_CONTEXT)")
     p.add_argument("--proxy", help="kvproxy public URL: run boundary probes through it")
     p.add_argument("--proxy-admin", help="kvproxy admin URL: read its limit and deferral counts")
@@ -479,6 +480,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from(args: argparse.Namespace) -> GateOptions:
+    if args.config:
+        os.environ["KVPROXY_CONFIG"] = args.config
     overrides: dict[str, Any] = {}
     if args.engines:
         try:

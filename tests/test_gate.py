@@ -165,3 +165,15 @@ async def test_canary_gate_passes_through_kvproxy_and_fails_direct(tmp_path: Pat
     assert any(name.startswith("isolation ") for name in direct.failed_checks)
     json_path, _ = write_record(through, tmp_path)
     assert validate(json_path)["isolation"]["caveats"]
+
+
+async def test_engines_and_declared_context_come_from_the_config_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvproxy.yaml"
+    cfg.write_text(
+        'engines:\n  - {url: "http://127.0.0.1:9", role: prefill, kind: sglang}\nmax_context: 4096\n'
+    )
+    rc, out = await run_cli("--config", str(cfg), "--out", str(tmp_path))
+    assert rc == 1
+    record = validate(tmp_path / "release-record.json")
+    assert record["engines"][0]["url"] == "http://127.0.0.1:9"
+    assert record["declared_context_tokens"] == 4096
