@@ -170,9 +170,11 @@ async def test_canary_gate_passes_through_kvproxy_and_fails_direct(tmp_path: Pat
 async def test_engines_and_declared_context_come_from_the_config_file(tmp_path: Path) -> None:
     cfg = tmp_path / "kvproxy.yaml"
     cfg.write_text(
-        'engines:\n  - {url: "http://127.0.0.1:9", role: prefill, kind: sglang}\nmax_context: 4096\n'
+        "engines:\n"
+        '  - {url: "http://127.0.0.1:9", role: prefill, kind: sglang}\n'
+        "max_context: 4096\n"
     )
-    rc, out = await run_cli("--config", str(cfg), "--out", str(tmp_path))
+    rc, _ = await run_cli("--config", str(cfg), "--out", str(tmp_path))
     assert rc == 1
     record = validate(tmp_path / "release-record.json")
     assert record["engines"][0]["url"] == "http://127.0.0.1:9"
