@@ -216,7 +216,7 @@ class _GuardedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     marker = "\ue000"
 
     def _marked(self, value: Any) -> bool:
-        return isinstance(value, str) and self.marker in value
+        return _holds_marker(value, self.marker)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         if self._marked(obj):
@@ -236,11 +236,18 @@ class _GuardedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
 
+def _holds_marker(value: Any, marker: str) -> bool:
+    # str.__contains__, not `in`: a _Placeholder answers `in` about its real text, which
+    # let filters such as replace() transform the marker instead of refusing it (the
+    # spliced segments then held the untransformed text and the count was wrong).
+    return isinstance(value, str) and str.__contains__(value, marker)
+
+
 def _refuse_placeholders(f: Any, marker: str) -> Any:
     @functools.wraps(f)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         for a in (*args, *kwargs.values()):
-            if isinstance(a, str) and marker in a:
+            if _holds_marker(a, marker):
                 raise _NeedsReal
         return f(*args, **kwargs)
 

@@ -104,9 +104,16 @@ def test_big_contents_become_segments_not_one_string() -> None:
     ],
 )
 def test_templates_that_look_inside_content_render_exactly(source: str) -> None:
-    tmpl = ChatTemplate(source)
     seq = shape([{"role": "user", "content": BIG}])
-    assert "".join(tmpl.render_segments(seq)) == tmpl.render(seq)
+    # Each template draws a random placeholder marker; a bug that depends on the marker's
+    # characters (replace('a', 'b') left markers without an 'a' untouched) shows only for
+    # some draws, so try many.
+    mismatches = 0
+    for _ in range(20):
+        tmpl = ChatTemplate(source)
+        same = "".join(tmpl.render_segments(seq)) == tmpl.render(seq)
+        mismatches += not same  # a bool, so a failure never diffs two 64 KB strings
+    assert mismatches == 0
 
 
 def test_dropped_content_falls_back_to_plain_render() -> None:
