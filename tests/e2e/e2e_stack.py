@@ -16,18 +16,12 @@ import json
 import os
 import random
 import re
-import shutil
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 from kvtest import running_proxy
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,7 +36,6 @@ TENANT_A = "canary-a"
 TENANT_B = "canary-b"
 TENANTS = (TENANT_A, TENANT_B)
 MARKER_RE = re.compile(r"KVCANARY-(canary-[a-z])")
-ROUTER_BIN = Path(sys.executable).parent / "sglang-router"
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -329,12 +322,6 @@ async def poll(
     return False
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -345,100 +332,6 @@ def rss_bytes() -> int:
 
 
 # --- the real sglang-router ------------------------------------------------------------------
-
-
-@dataclass
-class RealRouter:
-    url: str
-    metrics_url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-2000:]
-
-
-def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start a child process whose stdout and stderr go to ``log``."""
-    with log.open("wb") as sink:
-        return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout_s)
-
-
-def router_binary() -> str:
-    if ROUTER_BIN.exists():
-        return str(ROUTER_BIN)
-    found = shutil.which("sglang-router")
-    if found is None:
-        pytest.skip("sglang-router is not installed")
-    return found
-
-
-@contextlib.asynccontextmanager
-async def real_router(sim: SimCluster, log: Path) -> AsyncIterator[RealRouter]:
-    """The PyPI ``sglang-router`` in PD mode in front of the sim's prefill and decode, with
-    its own Prometheus endpoint. Ready once a chat request goes through; the sim's counters
-    are reset after that warm-up so tests start from zero."""
-    port, metrics_port = free_port(), free_port()
-    bootstrap = sim.prefill_url.rsplit(":", 1)[1]
-    cmd = [
-        router_binary(),
-        "launch",
-        "--pd-disaggregation",
-        "--prefill",
-        sim.prefill_url,
-        bootstrap,
-        "--decode",
-        sim.decode_url,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        "round_robin",
-        "--prometheus-port",
-        str(metrics_port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--log-level",
-        "warn",
-    ]
-    proc = spawn(cmd, log)
-    router = RealRouter(
-        url=f"http://127.0.0.1:{port}",
-        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
-        proc=proc,
-        log=log,
-    )
-    try:
-        async with aiohttp.ClientSession() as http:
-
-            async def serves() -> bool:
-                if proc.poll() is not None:
-                    raise AssertionError(f"sglang-router exited: {router.tail()}")
-                try:
-                    reply = await post(
-                        http, router.url, CHAT, body_for(CHAT, "ready?", stream=False, max_tokens=1)
-                    )
-                except (aiohttp.ClientError, OSError, TimeoutError):
-                    return False
-                return reply.status == 200
-
-            assert await poll(serves, timeout_s=60.0, interval_s=0.25), router.tail()
-            async with http.post(sim.router_url + "/sim/reset") as resp:
-                assert resp.status == 200
-        yield router
-    finally:
-        stop_process(proc)
 
 
 async def sim_quiet(http: aiohttp.ClientSession, sim: SimCluster) -> dict[str, Any]:

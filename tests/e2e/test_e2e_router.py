@@ -21,7 +21,6 @@ from e2e_stack import (
     COMPLETIONS,
     GENERATE,
     TENANT_A,
-    RealRouter,
     body_for,
     deferred_by_outcome,
     disconnect_after,
@@ -32,7 +31,6 @@ from e2e_stack import (
     poll,
     post,
     proxy_for,
-    real_router,
     sample,
     scrape,
     sim_cluster,
@@ -42,6 +40,7 @@ from e2e_stack import (
     tenant_prompt,
 )
 from e2e_storm import assert_storm_contained, disconnect_storm
+from real_router import RealRouter, real_router
 
 from kvproxy.sim import SimCluster
 

@@ -26,7 +26,6 @@ from e2e_stack import (
     body_for,
     disconnect_after,
     engines_of,
-    free_port,
     get_json,
     leak_counters,
     parse_prometheus,
@@ -38,6 +37,7 @@ from e2e_stack import (
     tenant_headers,
     tenant_prompt,
 )
+from real_router import free_port
 
 from kvproxy.sim import SimCluster
 
