@@ -207,8 +207,6 @@ class KvproxyServer:
                 await asyncio.wait_for(state.idle.wait(), FINAL_CLEANUP_S)
         if self._public is not None:
             await self._public.cleanup()
-        for task in list(state.tasks):
-            task.cancel()
         await state.watcher.stop()
         await state.lag.stop()
         await state.capacity.stop()

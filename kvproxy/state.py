@@ -39,7 +39,6 @@ class ServerState:
     stopping: bool = False
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def enter(self) -> None:
         self.inflight += 1

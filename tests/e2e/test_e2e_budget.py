@@ -133,7 +133,6 @@ async def test_budget_holds_and_returns_to_zero_under_200_concurrent_with_discon
         assert sample(proxy, "kvproxy_deferred_cancellations_in_progress") == 0
         assert state.inflight == 0
         assert state.watcher.watched == 0
-        assert not state.tasks
         # No upstream connection is still checked out of the pool (aiohttp keeps no public
         # count; `_acquired` is the set of connections handed to requests).
         assert not state.session.connector._acquired  # type: ignore[union-attr]
