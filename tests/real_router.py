@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from ports import free_port
 
 from kvproxy.sim import SimCluster
 
@@ -32,12 +32,6 @@ class RealRouter:
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-2000:]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def router_binary() -> str:

@@ -6,19 +6,13 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import aiohttp
 from aiohttp import web
 from kvtest import FakeUpstream, static_engines
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ports import free_port
 
 
 def run_kvproxy(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

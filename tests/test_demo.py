@@ -6,31 +6,9 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import sys
 
-from test_cli import free_port
-
-
-def free_port_run(n: int = 3) -> int:
-    """A base port with n consecutive free ports after it (the simulator's three servers)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
+from ports import free_port, free_port_run
 
 
 async def sh(cmd: str) -> tuple[int, str]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import io
-import socket
 
 import aiohttp
 import orjson
 from aiohttp import web
 from kvtest import FakeUpstream, running_proxy, wait_until
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 CHAT = "/v1/chat/completions"
@@ -149,9 +149,7 @@ async def test_oversize_body_is_413_before_reaching_upstream(
 
 
 async def test_upstream_refused_is_502_with_json(http: aiohttp.ClientSession) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()
     async with running_proxy(f"http://127.0.0.1:{dead}") as proxy:
         async with http.post(proxy.public_url + CHAT, data=chat_body()) as resp:
             assert resp.status == 502

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -31,13 +30,6 @@ def load_json(name: str) -> dict[str, Any]:
 
 def load_text(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class FakeEngine:

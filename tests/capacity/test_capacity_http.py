@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
-from capacity_fakes import EngineFactory, free_port
+from capacity_fakes import EngineFactory
+from ports import free_port
 
 from kvproxy.capacity import ProbeError, probe_engine
 from kvproxy.config import EngineSpec

@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from capacity_fakes import EngineFactory, free_port
+from capacity_fakes import EngineFactory
+from ports import free_port
 
 from kvproxy import errors
 from kvproxy.capacity import CapacityMonitor

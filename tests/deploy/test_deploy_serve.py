@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 from deploytest import container, mounted_config, one, pod_spec, render
+from ports import free_port
 
 HOOK = Path(__file__).resolve().parents[2] / "deploy/base/hooks/wait_for_kvproxy_drain.py"
 START_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def status(url: str) -> int:

@@ -37,7 +37,7 @@ from e2e_stack import (
     tenant_headers,
     tenant_prompt,
 )
-from real_router import free_port
+from ports import free_port
 
 from kvproxy.sim import SimCluster
 

@@ -10,21 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import socket
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
+from ports import free_port
 
 STARTUP_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class PrometheusServer:

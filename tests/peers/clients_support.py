@@ -7,12 +7,12 @@ engines, so a test can prove that a rejection sent nothing upstream (I7).
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 from kvtest import running_proxy
+from ports import free_port
 
 from kvproxy.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions
@@ -61,6 +61,4 @@ def routed(stats: dict[str, Any]) -> int:
 
 def dead_port() -> int:
     """A loopback port nothing listens on (bound then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
