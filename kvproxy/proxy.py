@@ -138,9 +138,6 @@ async def _handle(
         streaming = shape.stream
         extra["X-Kvproxy-Decision"] = "admitted"
         extra["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
-        if verdict.clamped_output_tokens is not None:
-            body = _clamp_output(body, route, verdict.clamped_output_tokens)
-            extra["X-Kvproxy-Output-Clamped"] = str(verdict.clamped_output_tokens)
         try:
             lease = await state.budget.acquire(verdict.prompt_tokens)
         except KvproxyError as err:
@@ -152,10 +149,16 @@ async def _handle(
             rec.decision = "abandoned"
             return None
         if lease.waited_s > 0:
-            stale = _recheck(state, shape, verdict)
-            if stale is not None:
+            again = _recheck(state, shape, verdict)
+            if isinstance(again, admission.Reject):
                 lease.release()
-                return _reject(state, rec, stale, style, extra)
+                return _reject(state, rec, again.error, style, extra)
+            verdict = again
+        # Clamped from the verdict that holds at send time: a decode pool that shrank while
+        # the request queued needs a smaller cap than the one decided before (I4).
+        if verdict.clamped_output_tokens is not None:
+            body = _clamp_output(body, route, verdict.clamped_output_tokens)
+            extra["X-Kvproxy-Output-Clamped"] = str(verdict.clamped_output_tokens)
 
     scanner = state.canaries.scanner(tenant) if state.canaries.active else None
     exchange = Exchange(
@@ -219,10 +222,10 @@ async def _admit(
 
 def _recheck(
     state: ServerState, shape: PromptShape, verdict: admission.Admit
-) -> KvproxyError | None:
-    """I1 at send time: the limits can fall while a request queues for budget (an engine
-    restarted onto a smaller pool), and a decision taken before must still hold."""
-    again = _decide(
+) -> admission.Decision:
+    """I1/I4 at send time: the limits can fall while a request queues for budget (an engine
+    restarted onto a smaller pool), so the decision is taken again on today's limits."""
+    return _decide(
         state,
         shape,
         verdict.prompt_tokens,
@@ -230,7 +233,6 @@ def _recheck(
         verdict.method != "bound",
         state.capacity.limits(),
     )
-    return again.error if isinstance(again, admission.Reject) else None
 
 
 def _decide(

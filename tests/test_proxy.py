@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 
 import aiohttp
 import orjson
 from aiohttp import web
-from kvtest import FakeUpstream, running_proxy, wait_until
+from kvtest import FakeUpstream, running_proxy, static_engines, wait_until
 from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -301,3 +302,73 @@ async def test_a_large_admitted_body_reaches_upstream_byte_for_byte(
             assert resp.status == 200
     assert upstream.received[0]["body"] == body
     assert upstream.received[0]["headers"]["Content-Length"] == str(len(body))
+
+
+async def test_decode_clamp_rewrites_the_output_cap_it_forwards(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    payload = orjson.dumps({"id": "c1", "choices": [{"message": {"content": "ok"}}]})
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=payload, content_type="application/json")
+
+    upstream.route("POST", CHAT, handler)
+    await upstream.start()
+    engines = static_engines(capacity=100_000, decode=3_000)
+    async with running_proxy(upstream.url, engines=engines, decode_policy="clamp") as proxy:
+        body = chat_body("hi", stream=False, max_tokens=50_000)
+        async with http.post(proxy.public_url + CHAT, data=body) as resp:
+            assert resp.status == 200
+            prompt = int(resp.headers["X-Kvproxy-Prompt-Tokens"])
+            clamped = int(resp.headers["X-Kvproxy-Output-Clamped"])
+        decode = proxy.state.capacity.limits().decode_limit_tokens
+    sent = orjson.loads(upstream.received[0]["body"])
+    assert sent["max_tokens"] == clamped
+    assert decode is not None and prompt + clamped == decode
+    assert clamped > 0
+
+
+async def test_clamp_is_decided_again_when_decode_shrank_while_queued(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """One request slot: the second request queues with an output cap that fits decode as
+    measured then. Decode shrinks before its turn; the cap it is sent with must fit the
+    pool of the moment it is sent, not the one it was first judged against (I4)."""
+    release = asyncio.Event()
+    payload = orjson.dumps({"id": "c1", "choices": [{"message": {"content": "ok"}}]})
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if len(upstream.received) == 1:
+            await asyncio.wait_for(release.wait(), 30)
+        return web.Response(body=payload, content_type="application/json")
+
+    upstream.route("POST", CHAT, handler)
+    await upstream.start()
+    engines = static_engines(capacity=100_000, decode=10_000)
+    async with running_proxy(
+        upstream.url,
+        engines=engines,
+        decode_policy="clamp",
+        max_inflight_requests=1,
+        queue_timeout_s=30.0,
+    ) as proxy:
+        capacity = proxy.state.capacity
+        holder = asyncio.ensure_future(
+            http.post(proxy.public_url + CHAT, data=chat_body("a", stream=False, max_tokens=8))
+        )
+        assert await wait_until(lambda: len(upstream.received) == 1)
+        queued = asyncio.ensure_future(
+            http.post(proxy.public_url + CHAT, data=chat_body("b", stream=False, max_tokens=5_000))
+        )
+        assert await wait_until(lambda: proxy.state.budget.queue_depth == 1)
+        shrunk = dataclasses.replace(capacity.limits(), decode_limit_tokens=2_000)
+        capacity.limits = lambda: shrunk  # type: ignore[method-assign]
+        release.set()
+        async with await holder as first, await queued as second:
+            assert first.status == 200
+            assert second.status == 200
+            prompt = int(second.headers["X-Kvproxy-Prompt-Tokens"])
+            clamped = int(second.headers["X-Kvproxy-Output-Clamped"])
+    sent = orjson.loads(upstream.received[1]["body"])
+    assert sent["max_tokens"] == clamped
+    assert prompt + clamped <= 2_000
