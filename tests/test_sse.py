@@ -89,6 +89,63 @@ def test_random_streams_and_random_splits(texts: list[str], eol: bytes, cuts: li
     assert got == payloads
 
 
+# Whole one-line events (the fast path's shape), mostly, mixed with every kind of line,
+# line break and a BOM, so both parsers see the same awkward streams.
+_EVENTS = st.sampled_from(
+    [b"data: {}\n\n", b"data:b\n\n", b": ping\n\n", b"data\n\n", b"id: 1\n\n"]
+)
+_NOISE = st.sampled_from(
+    [b"data: a", b": c", b"x", b"\n", b"\n\n", b"\r", b"\r\n", b"\xef\xbb\xbf", b"data: a\ndata: b"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.one_of(_EVENTS, _EVENTS, _EVENTS, _NOISE), max_size=40),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8),
+)
+def test_whole_event_fast_path_agrees_with_the_line_parser(
+    pieces: list[bytes], cuts: list[int]
+) -> None:
+    stream = b"".join(pieces)
+    bounds = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+    fast, general = SSEParser(), SSEParser()
+    for a, b in itertools.pairwise(bounds):
+        want = [ev.data for ev in general.feed_events(stream[a:b]) if ev.data is not None]
+        assert fast.feed(stream[a:b]) == want
+        assert fast.pending_bytes == general.pending_bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    events=st.lists(st.one_of(_EVENTS, _EVENTS, _EVENTS, _EVENTS, _NOISE), max_size=30),
+    sizes=st.lists(st.integers(min_value=1, max_value=4), min_size=30, max_size=30),
+)
+def test_chunks_cut_at_event_ends_agree_with_the_line_parser(
+    events: list[bytes], sizes: list[int]
+) -> None:
+    """Engines write whole events per chunk: the fast path's own ground."""
+    chunks, i = [], 0
+    for size in sizes:
+        if i >= len(events):
+            break
+        chunks.append(b"".join(events[i : i + size]))
+        i += size
+    fast, general = SSEParser(), SSEParser()
+    for chunk in chunks:
+        want = [ev.data for ev in general.feed_events(chunk) if ev.data is not None]
+        assert fast.feed(chunk) == want
+        assert fast.pending_bytes == general.pending_bytes
+
+
+def test_whole_events_in_one_chunk_take_the_fast_path() -> None:
+    p = SSEParser()
+    p.feed(b": hello\n\n")
+    chunk = b"data: {}\n\n: ping\n\ndata:[DONE]\n\n"
+    assert p._feed_whole_events(chunk) == [b"{}", b"[DONE]"]
+    assert p._feed_whole_events(b"data: a\ndata: b\n\n") is None  # multi-line: general
+
+
 def test_crlf_split_between_cr_and_lf_is_one_line_end() -> None:
     p = SSEParser()
     assert p.feed(b"data: a\r") == []
