@@ -268,6 +268,10 @@ class Exchange:
             try:
                 if fast:
                     chunk = await up.content.readany()
+                elif buffered := up.content.read_nowait():
+                    # Already here (a small response arrives with its headers): no wait, so
+                    # nothing to race and no task to spend.
+                    chunk = buffered
                 else:
                     read = asyncio.ensure_future(up.content.readany())
                     try:
