@@ -32,7 +32,7 @@ from kvproxy.tokens.engine import (
     EngineTokenizer,
     EngineTokenizeRequest,
 )
-from kvproxy.tokens.local import load_hf, load_tiktoken
+from kvproxy.tokens.local import load_hf, load_tiktoken, release_load_garbage
 from kvproxy.tokens.templates import ChatTemplate, load_template
 
 
@@ -64,6 +64,7 @@ def build_counter(
             local: Any = load_hf(path)
         else:
             local = load_tiktoken(path, None)
+        release_load_garbage()
         template = load_template(settings.chat_template, local.template)
         local.template = template
         return _counter(

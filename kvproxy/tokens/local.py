@@ -18,6 +18,8 @@ Nothing here logs or returns text.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import json
 import os
@@ -217,6 +219,18 @@ def load_hf(path: str | Path) -> HfTokenizer:
         chunkable=_hf_chunkable(spec) and _self_test(tok),
         origin=str(path),
     )
+
+
+def release_load_garbage() -> None:
+    """Hand the heap that loading freed back to the operating system.
+
+    Parsing a tokenizer.json builds ~100 MB of transient objects (Qwen-3: the JSON text,
+    serde's value tree, the Python dict) that glibc keeps in its arenas once freed, so RSS
+    stayed ~100 MB above what the tokenizer really holds (measured 217 MB -> 110 MB after a
+    trim). `malloc_trim` is glibc's; elsewhere this does nothing.
+    """
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _read_maybe_zipped(p: Path) -> bytes:
