@@ -119,3 +119,45 @@ def test_templates_that_look_inside_content_render_exactly(source: str) -> None:
 def test_dropped_content_falls_back_to_plain_render() -> None:
     tmpl = ChatTemplate("{% if false %}{{ messages[0].content }}{% endif %}ok")
     assert tmpl.render_segments(shape([{"role": "user", "content": BIG}])) == ("ok",)
+
+
+# --- the sandbox: a template is code, and the memoised safety verdicts must stay the sandbox's
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ messages[0].pop('content') }}",  # mutating a dict
+        "{{ messages.append(1) }}",  # mutating a list
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # escaping through dunders
+    ],
+)
+def test_the_sandbox_refuses_what_a_hostile_template_tries(source: str) -> None:
+    t = ChatTemplate(source)
+    seq = shape([{"role": "user", "content": "hi"}])
+    for _ in range(3):  # the first verdict is computed, the next ones remembered
+        with pytest.raises(KvproxyError) as caught:
+            t.render(seq)
+        assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("source", ["{{ raise_exception.__globals__ }}", "{{ ''.__class__ }}"])
+def test_unsafe_attributes_render_as_nothing(source: str) -> None:
+    t = ChatTemplate(source)
+    seq = shape([{"role": "user", "content": "hi"}])
+    assert t.render(seq) == ""
+    assert t.render(seq) == ""
+
+
+def test_remembered_verdicts_are_per_type_safe_methods_still_work() -> None:
+    """`items` is safe on a dict and `upper` on a str; `pop` is unsafe on the dict even
+    after a safe method of the same dict type was remembered."""
+    t = ChatTemplate(
+        "{% for m in messages %}{% for k, v in m.items() %}{{ v.upper() }};{% endfor %}{% endfor %}"
+    )
+    seq = shape([{"role": "user", "content": "hi"}])
+    assert t.render(seq) == "USER;HI;"
+    assert t.render(seq) == "USER;HI;"
+    pop = ChatTemplate("{{ messages[0].items() | list | length }}{{ messages[0].pop('role') }}")
+    with pytest.raises(KvproxyError):
+        pop.render(seq)
