@@ -202,22 +202,36 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
     texts: list[str] = []
     images = audios = 0
     for i, msg in enumerate(messages):
-        p = f"messages[{i}]"
+        # Field names for error bodies are formatted only on the error path: this loop runs
+        # for every message of every request.
         if not isinstance(msg, dict):
-            raise invalid_request(f"{p} must be an object", p)
+            raise invalid_request(f"messages[{i}] must be an object", f"messages[{i}]")
         role = msg.get("role")
         if not isinstance(role, str) or not role:
-            raise invalid_request(f"{p}.role must be a non-empty string", f"{p}.role")
+            p = f"messages[{i}].role"
+            raise invalid_request(f"{p} must be a non-empty string", p)
         texts.append(role)
-        im, au = _content(msg.get("content"), f"{p}.content", texts)
-        images += im
-        audios += au
-        for key in ("name", "reasoning_content", "reasoning", "tool_call_id", "refusal"):
-            s = _str_or_none(msg.get(key), f"{p}.{key}")
+        content = msg.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        else:
+            im, au = _content(content, f"messages[{i}].content", texts)
+            images += im
+            audios += au
+        for key in _MESSAGE_STRINGS:
+            s = msg.get(key)
+            if s is None:
+                continue
+            if not isinstance(s, str):
+                raise invalid_request(
+                    f"messages[{i}].{key} must be a string", f"messages[{i}].{key}"
+                )
             if s:
                 texts.append(s)
-        _tool_calls(msg.get("tool_calls"), f"{p}.tool_calls", texts)
-        _other_fields(msg, p, texts)
+        if msg.get("tool_calls") is not None:
+            _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls", texts)
+        if len(msg) > 2 or not _PLAIN_KEYS.issuperset(msg):
+            _other_fields(msg, f"messages[{i}]", texts)
 
     tools = data.get("tools")
     if tools is None:
@@ -249,6 +263,9 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
     )
 
 
+_MESSAGE_STRINGS = ("name", "reasoning_content", "reasoning", "tool_call_id", "refusal")
+# A message with only these keys has no other field to collect (the common case).
+_PLAIN_KEYS = frozenset({"role", "content"})
 _MESSAGE_FIELDS = frozenset(
     {"role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "refusal",
      "tool_calls"}
