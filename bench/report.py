@@ -257,7 +257,7 @@ def render(r: Results) -> str:
     ]
     out += _table(["target", "chunks/s", "CPU µs/chunk", "p50 ms per stream", "errors"], rows)
     out += ["", "Ratios of CPU per chunk: " + _ratios(r, "sse", "cpu_us_per_chunk"), ""]
-    out += _long_section(r) + _mixed_section(r) + _memory_section(r)
+    out += _policy_section(r) + _long_section(r) + _mixed_section(r) + _memory_section(r)
     if r.get("problems"):
         out += ["## Correctness problems seen (figures above are affected)", ""]
         out += [f"- {p}" for p in r["problems"]] + [""]
@@ -276,6 +276,32 @@ def _ratios(r: Results, section: str, key: str) -> str:
         if ratio is not None:
             parts.append(f"kvproxy/{other} = {ratio:.2f}×")
     return ", ".join(parts) if parts else "—"
+
+
+def _policy_section(r: Results) -> list[str]:
+    steps = r.get("policy_cost")
+    if not steps:
+        return []
+    bare = _get(r, "small_chat", "bare", "cpu_us_per_req")
+    out = ["## Where kvproxy's CPU per small request goes", ""]
+    out += [
+        "The small chat POST again, through kvproxy with one more part of its policy at each "
+        "step (medians over the rounds; the bare forwarder's figure is from the comparison "
+        "above, same run).",
+        "",
+    ]
+    rows, before = [], None
+    for name, s in steps.items():
+        cpu = s.get("cpu_us_per_req")
+        step = cpu - before if cpu is not None and before is not None else None
+        rows.append(
+            [name, _fmt(cpu), _fmt(_ratio(cpu, bare), 2), _fmt(step), str(s.get("errors", 0))]
+        )
+        before = cpu
+    out += _table(
+        ["kvproxy configured with", "CPU µs/req", "× bare", "this step µs", "errors"], rows
+    )
+    return [*out, ""]
 
 
 def _long_section(r: Results) -> list[str]:

@@ -56,6 +56,17 @@ SSE_CHUNKS = 64
 
 Starter = Callable[[Upstream, Path], Running]
 
+_QUIET = (("KVPROXY_ACCESS_LOG", "false"), ("KVPROXY_CANARIES", "[]"))
+# (step, tokenizer (None: the Qwen-3 one), extra env, path). Each step adds one part of the
+# policy to the one before; the last is the full policy of the comparison's kvproxy row.
+# /v1/other is not an inference route: kvproxy relays it without parsing or counting.
+POLICY_STEPS: tuple[tuple[str, str | None, tuple[tuple[str, str], ...], str], ...] = (
+    ("relay only (not an inference route)", "bytes", _QUIET, "/v1/other"),
+    ("+ parse and byte-bound admission", "bytes", _QUIET, "/v1/chat/completions"),
+    ("+ Qwen-3 tokenizer and chat template", None, _QUIET, "/v1/chat/completions"),
+    ("+ canary scan and access log (full policy)", None, (), "/v1/chat/completions"),
+)
+
 PROFILES = {
     "full": (workloads.Durations(), 2),
     "quick": (
@@ -247,6 +258,25 @@ class Bench:
                     relay[name].append(r)
         return _median_rows(small), _median_rows(relay), starters
 
+    def policy_cost(self, chat: Upstream) -> dict[str, Any]:
+        """Where kvproxy's CPU per small request goes: the same request through kvproxy
+        configured with one more part of its policy at each step (see POLICY_STEPS)."""
+        rows: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in POLICY_STEPS}
+        for rnd in range(self.rounds):
+            for name, tokenizer, env, path in POLICY_STEPS:
+                self.log(f"round {rnd + 1}/{self.rounds}: policy cost, {name}")
+                base = self.kvproxy_opts("exact", tokenizer=tokenizer)
+                opts = targets.KvproxyOptions(base.tokenizer, base.engine_url, env)
+                r = self.with_target(
+                    "kvproxy",
+                    targets.kvproxy_starter(opts),
+                    chat,
+                    lambda run, path=path: workloads.small_chat_cpu(run, self.d, path),
+                )
+                if r:
+                    rows[name].append(r)
+        return _median_rows(rows)
+
     def long_prompts(self, chat: Upstream, starters: dict[str, Starter]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         bound = targets.kvproxy_starter(self.kvproxy_opts("bound"))
@@ -391,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         small, relay, starters = bench.comparison(chat, sse)
         results["small_chat"], results["sse"] = small, relay
         if args.mode != "tiny":
+            results["policy_cost"] = bench.policy_cost(chat)
             results["long_prompts"] = bench.long_prompts(chat, starters)
             results["decision_latency"] = bench.decision_latency()
             results["mixed"] = bench.mixed(chat, small.get("kvproxy", {}).get("rps"))

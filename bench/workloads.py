@@ -162,6 +162,22 @@ def small_chat(run: Running, d: Durations) -> dict[str, Any]:
     }
 
 
+def small_chat_cpu(run: Running, d: Durations, path: str) -> dict[str, Any]:
+    """CPU per small chat POST only (no latency run), on `path`: the policy breakdown."""
+    body = small_chat_body()
+    if d.warmup_s > 0:
+        run_wrk(run.url, body, path=path, duration_s=d.warmup_s, connections=d.connections)
+    c0 = procstat.tree_cpu_s(run.pids)
+    res = run_wrk(run.url, body, path=path, duration_s=d.throughput_s, connections=d.connections)
+    cpu_s = procstat.tree_cpu_s(run.pids) - c0
+    return {
+        "rps": round(res.rps, 1),
+        "requests": res.requests,
+        "errors": res.errors,
+        "cpu_us_per_req": round(cpu_s / res.requests * 1e6, 2) if res.requests else None,
+    }
+
+
 def sse_relay(run: Running, d: Durations, chunks: int) -> dict[str, Any]:
     """Streams of `chunks` events (one upstream write each); CPU per relayed event."""
     problem = check(run, chunks=chunks)

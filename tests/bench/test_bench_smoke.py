@@ -78,3 +78,22 @@ def test_tiny_run_measures_every_target_and_writes_the_report(tmp_path: Path) ->
     assert results["problems"] == [], results["problems"]
     assert "## Against the project's targets" in md
     assert results["verdicts"]
+
+
+def test_policy_breakdown_rows_show_each_step_and_its_ratio_to_bare() -> None:
+    results = {
+        "small_chat": {"bare": {"cpu_us_per_req": 500.0}},
+        "policy_cost": {
+            "relay only": {"cpu_us_per_req": 800.0, "errors": 0},
+            "+ admission": {"cpu_us_per_req": 950.0, "errors": 0},
+            "+ template": {"cpu_us_per_req": 1250.0, "errors": 2},
+        },
+    }
+    lines = report._policy_section(results)
+    rows = [line for line in lines if line.startswith("| ") and "CPU µs/req" not in line]
+    assert rows == [
+        "| relay only | 800.0 | 1.60 | — | 0 |",
+        "| + admission | 950.0 | 1.90 | 150.0 | 0 |",
+        "| + template | 1,250.0 | 2.50 | 300.0 | 2 |",
+    ]
+    assert report._policy_section({"small_chat": {}}) == []
