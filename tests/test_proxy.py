@@ -324,7 +324,8 @@ async def test_decode_clamp_rewrites_the_output_cap_it_forwards(
         decode = proxy.state.capacity.limits().decode_limit_tokens
     sent = orjson.loads(upstream.received[0]["body"])
     assert sent["max_tokens"] == clamped
-    assert decode is not None and prompt + clamped == decode
+    assert decode is not None
+    assert prompt + clamped == decode
     assert clamped > 0
 
 
