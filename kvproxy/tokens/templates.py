@@ -173,9 +173,10 @@ class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     The sandbox asks `is_safe_attribute` on every attribute access, and its answer is
     decided by the object's type and the attribute name alone (leading underscores,
     internal attributes of functions, frames and code, mutating methods of the known
-    mutable ABCs): half the time of rendering a two-message chat went there. Memoising by
-    (type, name) keeps every verdict the sandbox gives and ~halves a small render. Names
-    can come from request data (`obj[key]`), so the memo is bounded.
+    mutable ABCs, all isinstance checks): a third of rendering Qwen-3's template for a
+    two-message chat went there. Memoising by (type, name) keeps every verdict the sandbox
+    gives and cut that render from ~150 to ~95 µs. Names can come from request data
+    (`obj[key]`), so the memo is bounded.
     """
 
     _MEMO_MAX = 4096
