@@ -18,7 +18,8 @@ the event loop from a worker thread; with placeholders the render costs only its
 the counter bounds and tokenizes the segments without ever joining them. Any operation that
 would need the real text (slicing, `trim`, `replace`, `indent`, `tojson` of a message, a
 method call) raises inside the render and the template is rendered plainly instead: the
-fast path is an optimisation, never a different answer.
+fast path is an optimisation, never a different answer. Comparisons (`==`, `in`, ...) are
+compiled to calls that answer from the real text, since Python would compare the marker.
 
 Render failures (a template's `raise_exception`, a missing field) become a 400 without the
 template's message, which may quote the conversation (I8). This module never logs.
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.compiler
+import jinja2.nodes
 import jinja2.sandbox
 
 from kvproxy.errors import invalid_request
@@ -62,6 +65,9 @@ class ChatTemplate:
             if name not in _PLACEHOLDER_SAFE_FILTERS:
                 guarded.filters[name] = _refuse_placeholders(f, self._marker)
         guarded.filters["tojson"] = _guarded_tojson(self._marker)
+        for name in ("length", "count"):
+            guarded.filters[name] = _refuse_spliced(guarded.filters[name], self._marker)
+        guarded.tests["in"] = guarded.contains
         self._marker_re = re.compile(re.escape(self._marker) + r"(\d+)\ue001")
         try:
             self._template = env.from_string(source)
@@ -213,6 +219,8 @@ class _Placeholder(str):
         return len(self.real)
 
     def __contains__(self, item: object) -> bool:
+        if isinstance(item, _Placeholder):
+            item = item.real
         return isinstance(item, str) and item in self.real
 
     def __eq__(self, other: object) -> bool:
@@ -238,13 +246,74 @@ class _Placeholder(str):
     __lt__ = __le__ = __gt__ = __ge__ = _refuse
 
 
-class _GuardedEnvironment(_Sandbox):
-    """Refuses attribute access, indexing and calls that touch a placeholder's marker."""
+class _GuardedCodeGenerator(jinja2.compiler.CodeGenerator):
+    """Compiles every comparison to a call of `environment.compare`.
 
+    Python answers `x in "some text"` and `"a" ~ content == other` from the strings it is
+    given, and with a placeholder those hold the marker, not the text: the guarded render
+    could take a branch the real render would not. Routed through the environment, each
+    comparison is answered from the real text or refused (-> plain render).
+    """
+
+    @jinja2.compiler.optimizeconst  # constant comparisons are still folded at compile time
+    def visit_Compare(self, node: jinja2.nodes.Compare, frame: Any) -> None:
+        if len(node.ops) != 1:
+            # A chained comparison (`a < b in c`) is rare in chat templates: render plainly.
+            self.write("environment.refuse()")
+            return
+        op = node.ops[0]
+        self.write(f"environment.compare({op.op!r}, ")
+        self.visit(node.expr, frame)
+        self.write(", ")
+        self.visit(op.expr, frame)
+        self.write(")")
+
+
+_COMPARE: dict[str, Any] = {
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+    "gt": lambda a, b: a > b,
+    "gteq": lambda a, b: a >= b,
+    "lt": lambda a, b: a < b,
+    "lteq": lambda a, b: a <= b,
+}
+
+
+class _GuardedEnvironment(_Sandbox):
+    """Refuses attribute access, indexing and calls that touch a placeholder's marker, and
+    answers comparisons from the real text (see `_GuardedCodeGenerator`)."""
+
+    code_generator_class = _GuardedCodeGenerator
     marker = "\ue000"
 
     def _marked(self, value: Any) -> bool:
         return _holds_marker(value, self.marker)
+
+    def _spliced(self, value: Any) -> bool:
+        # A plain string holding a marker (built by `~` or join from a placeholder): its
+        # length and contents are the marker's, not the text's.
+        return not isinstance(value, _Placeholder) and self._marked(value)
+
+    def refuse(self) -> Any:
+        raise _NeedsReal
+
+    def contains(self, item: Any, container: Any) -> bool:
+        if self._spliced(item) or self._spliced(container):
+            raise _NeedsReal
+        real_item = item.real if isinstance(item, _Placeholder) else item
+        if isinstance(container, _Placeholder):
+            return isinstance(real_item, str) and real_item in container.real
+        # Lists, dicts and plain strings: a placeholder item compares and hashes as its text.
+        return bool(real_item in container)
+
+    def compare(self, op: str, left: Any, right: Any) -> bool:
+        if op == "in":
+            return self.contains(left, right)
+        if op == "notin":
+            return not self.contains(left, right)
+        if self._spliced(left) or self._spliced(right):
+            raise _NeedsReal
+        return bool(_COMPARE[op](left, right))
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         if self._marked(obj):
@@ -278,6 +347,19 @@ def _refuse_placeholders(f: Any, marker: str) -> Any:
             if _holds_marker(a, marker):
                 raise _NeedsReal
         return f(*args, **kwargs)
+
+    return guarded
+
+
+def _refuse_spliced(f: Any, marker: str) -> Any:
+    """`length`/`count`: a placeholder answers with its text's length, but a plain string
+    built around one would answer with the marker's."""
+
+    @functools.wraps(f)
+    def guarded(value: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(value, _Placeholder) and _holds_marker(value, marker):
+            raise _NeedsReal
+        return f(value, *args, **kwargs)
 
     return guarded
 

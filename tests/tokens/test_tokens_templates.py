@@ -116,6 +116,40 @@ def test_templates_that_look_inside_content_render_exactly(source: str) -> None:
     assert mismatches == 0
 
 
+TWO_BIG = [
+    {"role": "user", "content": BIG},
+    {"role": "assistant", "content": "Earlier: " + BIG},
+    {"role": "user", "content": BIG},
+]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # a placeholder on the left of `in`: Python would test the marker, not the text
+        "{% if messages[0].content in messages[1].content %}IN{% else %}OUT{% endif %}",
+        "{% if messages[0].content not in messages[1].content %}OUT{% else %}IN{% endif %}",
+        "{% if messages[0].content is in messages[1].content %}IN{% else %}OUT{% endif %}",
+        "{% if messages[0].content in [messages[2].content] %}IN{% else %}OUT{% endif %}",
+        "{% if messages[0].content in 'short text' %}IN{% else %}OUT{% endif %}",
+        # plain strings built around a placeholder: length and equality of the marker
+        "{% set s = messages[0].content ~ '!' %}{% if s | length > 1000 %}LONG{% endif %}",
+        "{% if (messages[0].content ~ '') == messages[2].content %}EQ{% else %}NE{% endif %}",
+        "{% if messages[0].content == messages[2].content %}EQ{% else %}NE{% endif %}",
+        "{% if messages[0].content != messages[1].content %}NE{% else %}EQ{% endif %}",
+        "{% if 1 < 2 in [True] %}chain{% endif %}",
+    ],
+)
+def test_comparisons_on_big_contents_take_the_real_branch(source: str) -> None:
+    seq = shape(TWO_BIG)
+    # Every content printed once: a render that drops one is never spliced, which would hide
+    # a wrong branch behind the plain-render fallback.
+    tmpl = ChatTemplate(source + "{% for m in messages %}{{ m.content }}{% endfor %}")
+    plain = tmpl.render(seq)
+    segments = tmpl.render_segments(seq)
+    assert "".join(segments) == plain, plain[:20]
+
+
 def test_dropped_content_falls_back_to_plain_render() -> None:
     tmpl = ChatTemplate("{% if false %}{{ messages[0].content }}{% endif %}ok")
     assert tmpl.render_segments(shape([{"role": "user", "content": BIG}])) == ("ok",)
