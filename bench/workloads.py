@@ -128,11 +128,24 @@ def check(run: Running, *, chunks: int | None = None) -> str | None:
 
 
 def measured_wrk(
-    run: Running, body: bytes, *, duration_s: float, connections: int, delay_ms: int = 0
+    run: Running,
+    body: bytes,
+    *,
+    duration_s: float,
+    connections: int,
+    delay_ms: int = 0,
+    path: str = "/v1/chat/completions",
 ) -> tuple[WrkResult, float]:
     """One wrk run and the target's CPU seconds spent over it."""
     c0 = procstat.tree_cpu_s(run.pids)
-    res = run_wrk(run.url, body, duration_s=duration_s, connections=connections, delay_ms=delay_ms)
+    res = run_wrk(
+        run.url,
+        body,
+        path=path,
+        duration_s=duration_s,
+        connections=connections,
+        delay_ms=delay_ms,
+    )
     c1 = procstat.tree_cpu_s(run.pids)
     return res, c1 - c0
 
@@ -167,9 +180,9 @@ def small_chat_cpu(run: Running, d: Durations, path: str) -> dict[str, Any]:
     body = small_chat_body()
     if d.warmup_s > 0:
         run_wrk(run.url, body, path=path, duration_s=d.warmup_s, connections=d.connections)
-    c0 = procstat.tree_cpu_s(run.pids)
-    res = run_wrk(run.url, body, path=path, duration_s=d.throughput_s, connections=d.connections)
-    cpu_s = procstat.tree_cpu_s(run.pids) - c0
+    res, cpu_s = measured_wrk(
+        run, body, path=path, duration_s=d.throughput_s, connections=d.connections
+    )
     return {
         "rps": round(res.rps, 1),
         "requests": res.requests,

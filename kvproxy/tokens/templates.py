@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import operator
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -270,12 +271,12 @@ class _GuardedCodeGenerator(jinja2.compiler.CodeGenerator):
 
 
 _COMPARE: dict[str, Any] = {
-    "eq": lambda a, b: a == b,
-    "ne": lambda a, b: a != b,
-    "gt": lambda a, b: a > b,
-    "gteq": lambda a, b: a >= b,
-    "lt": lambda a, b: a < b,
-    "lteq": lambda a, b: a <= b,
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "gt": operator.gt,
+    "gteq": operator.ge,
+    "lt": operator.lt,
+    "lteq": operator.le,
 }
 
 
@@ -290,9 +291,7 @@ class _GuardedEnvironment(_Sandbox):
         return _holds_marker(value, self.marker)
 
     def _spliced(self, value: Any) -> bool:
-        # A plain string holding a marker (built by `~` or join from a placeholder): its
-        # length and contents are the marker's, not the text's.
-        return not isinstance(value, _Placeholder) and self._marked(value)
+        return _is_spliced(value, self.marker)
 
     def refuse(self) -> Any:
         raise _NeedsReal
@@ -340,6 +339,12 @@ def _holds_marker(value: Any, marker: str) -> bool:
     return isinstance(value, str) and str.__contains__(value, marker)
 
 
+def _is_spliced(value: Any, marker: str) -> bool:
+    """A plain string holding a marker (built by `~` or a join around a placeholder): its
+    length and contents are the marker's, not the text's."""
+    return not isinstance(value, _Placeholder) and _holds_marker(value, marker)
+
+
 def _refuse_placeholders(f: Any, marker: str) -> Any:
     @functools.wraps(f)
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -357,7 +362,7 @@ def _refuse_spliced(f: Any, marker: str) -> Any:
 
     @functools.wraps(f)
     def guarded(value: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(value, _Placeholder) and _holds_marker(value, marker):
+        if _is_spliced(value, marker):
             raise _NeedsReal
         return f(value, *args, **kwargs)
 
