@@ -189,3 +189,37 @@ def yarl_raw(url: str) -> Any:
     import yarl
 
     return yarl.URL(url, encoded=True)
+
+
+MARKER_B = "KVCANARY-B-0123456789abcdef"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"input": f"echo {MARKER_B}", "max_output_tokens": 200}),
+        ("/v1/messages", {"max_tokens": 200, "messages": [{"role": "user", "content": MARKER_B}]}),
+    ],
+)
+async def test_the_tripwire_reads_responses_and_messages_output(
+    http: aiohttp.ClientSession, path: str, body: dict[str, Any], stream: bool
+) -> None:
+    """The simulator's echo model replies with its prompt: tenant A's reply carries tenant
+    B's marker, and the tripwire must find it in these routes' shapes too."""
+    canaries = [{"tenant": t, "patterns": [f"KVCANARY-{t}-[0-9a-f]{{16}}"]} for t in "AB"]
+    async with sim_and_proxy(
+        max_context=8192, trust_tenant_header=True, canaries=canaries, canary_action="block"
+    ) as (_, proxy):
+        async with http.post(
+            proxy.public_url + path,
+            json={"model": "m", "stream": stream, **body},
+            headers={"X-Tenant-ID": "A"},
+        ) as resp:
+            status, text = resp.status, await resp.text()
+        violations = proxy.state.metrics.canary_violations.labels("A")._value.get()
+    assert MARKER_B not in text
+    assert violations == 1
+    if not stream:
+        assert status == 502
+        assert orjson.loads(text)["error"]["code"] == "canary_violation"
