@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from kvtest import sim_and_proxy
+from kvtest import sim_and_proxy, wait_until
 
 from kvproxy.sim.tokenizer import ChatRenderer, load_tokenizer
 from kvproxy.tokens.testing import real_tokenizer_dir
@@ -223,3 +223,33 @@ async def test_the_tripwire_reads_responses_and_messages_output(
     if not stream:
         assert status == 502
         assert orjson.loads(text)["error"]["code"] == "canary_violation"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"input": "x" * 1500, "max_output_tokens": 40}),
+        ("/v1/messages", {"max_tokens": 40, "messages": [{"role": "user", "content": "x" * 1500}]}),
+    ],
+)
+async def test_a_client_leaving_a_stream_is_deferred_until_its_first_token(
+    http: aiohttp.ClientSession, path: str, body: dict[str, Any]
+) -> None:
+    """I5 on these routes: the drain recognises their first generated token. (Before, no
+    event of theirs counted as a token, so every drain ran to the end of the response.)"""
+    sim = {"transfer_ms_per_page": 3.0, "decode_ms_per_token": 25.0}
+    async with sim_and_proxy(sim, max_context=8192) as (_, proxy):
+        async with http.post(
+            proxy.public_url + path, json={"model": "m", "stream": True, **body}
+        ) as resp:
+            assert resp.status == 200
+        # Leaving the block without reading closes the connection: the client is gone.
+        m = proxy.state.metrics
+        outcomes = ("first_token", "completed", "timeout", "upstream_error")
+
+        def deferred() -> dict[str, float]:
+            return {o: m.deferred_total.labels(o)._value.get() for o in outcomes}
+
+        assert await wait_until(lambda: sum(deferred().values()) >= 1)
+        got = deferred()
+    assert got == {"first_token": 1, "completed": 0, "timeout": 0, "upstream_error": 0}
