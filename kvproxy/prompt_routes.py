@@ -1,11 +1,9 @@
 """Prompt extraction for the inference routes beyond chat, completions and `/generate`.
 
-Owns: `/v1/responses` and `/v1/messages` (converted into the same chat `SequencePrompt` the
-chat route builds, so the template render, bounds and exact counts apply unchanged), and the
-prompt-only routes `/v1/embeddings`, `/v1/classify`, `/v1/rerank` (and `/rerank`),
-`/v1/score`, SGLang's `/encode` and `/classify` (each input a sequence, no output, so no
-decode budget). Pure functions, no I/O; errors are 400 `invalid_request` naming the field,
-never quoting request text (I8).
+Owns: `/v1/responses` and `/v1/messages`, converted into the same chat `SequencePrompt` the
+chat route builds, so the template render, bounds and exact counts apply unchanged; and the
+dispatch to the prompt-only routes (`kvproxy.prompt_only`). Pure functions, no I/O; errors
+are 400 `invalid_request` naming the field, never quoting request text (I8).
 
 The conversions mirror how smg (the router in front of the engines) turns these requests
 into engine input: `responses_to_chat` in smg's
@@ -17,25 +15,12 @@ low (I1).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from kvproxy.errors import invalid_request
-from kvproxy.prompt import (
-    PromptShape,
-    Route,
-    SequencePrompt,
-    _chat,
-    _ids,
-    _json_text,
-    _media_count,
-    _opt_int,
-)
-
-# Tokens allowed per pair for a reranker's prompt wrapper: a cross-encoder adds 3 special
-# tokens, and SGLang wraps Qwen3-Reranker pairs in an instruction prompt of ~90 tokens
-# (serving_rerank.py). 256 covers both with room; it is added to every pair's bound.
-RERANK_OVERHEAD_TOKENS = 256
+from kvproxy.prompt import PromptShape, Route, SequencePrompt, _chat, _json_text, _opt_int
+from kvproxy.prompt_only import PROMPT_ONLY
 
 # Fields naming context the engine or router stores and the proxy cannot see: the prompt the
 # engine would prefill is that stored history plus this request, of unknown size. Bounding
@@ -52,7 +37,7 @@ def parse(route: Route, data: Mapping[str, Any], body_bytes: int) -> PromptShape
         if stream is not None and not isinstance(stream, bool):
             raise invalid_request("stream must be a boolean", "stream")
         return PromptShape(route, (seq,), out, 1, bool(stream), body_bytes, param)
-    parser = _PROMPT_ONLY.get(route)
+    parser = PROMPT_ONLY.get(route)
     if parser is None:  # a programming error: the route table names a route with no parser
         raise invalid_request(f"route {route} has no parser", None)
     prompts, param = parser(data)
@@ -161,7 +146,11 @@ def _response_content(item: Mapping[str, Any], p: str) -> str | list[dict[str, A
     content = item.get("content")
     if isinstance(content, str):
         return content
-    return _response_parts(content, f"{p}.content")
+    parts = _response_parts(content, f"{p}.content")
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        # smg hands the engine a string; one part is that string whatever smg joins with.
+        return str(parts[0]["text"])
+    return parts
 
 
 def _response_parts(parts: Any, p: str) -> list[dict[str, Any]]:
@@ -344,118 +333,7 @@ def _anthropic_tool(tool: Any, p: str) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-# --- prompt-only routes ---------------------------------------------------------------------
-
-_Parsed = tuple[tuple[SequencePrompt, ...], str]
-
-
-def _embeddings(data: Mapping[str, Any]) -> _Parsed:
-    """OpenAI `input`: a string, strings, token ids, or lists of token ids; each a sequence.
-    Multimodal objects are refused: SGLang renders them through a template kvproxy lacks."""
-    value = data.get("input")
-    if isinstance(value, str):
-        return (SequencePrompt(texts=(value,)),), "input"
-    if not isinstance(value, list) or not value:
-        raise invalid_request(
-            "input must be a string, an array of strings or an array of token ids", "input"
-        )
-    first = value[0]
-    if isinstance(first, str):
-        if not all(isinstance(x, str) for x in value):
-            raise invalid_request("input must not mix strings and other types", "input")
-        return tuple(SequencePrompt(texts=(x,)) for x in value), "input"
-    if isinstance(first, list):
-        seqs = tuple(SequencePrompt(token_ids=_ids(x, f"input[{i}]")) for i, x in enumerate(value))
-        return seqs, "input"
-    return (SequencePrompt(token_ids=_ids(value, "input")),), "input"
-
-
-def _rerank(data: Mapping[str, Any]) -> _Parsed:
-    query = data.get("query")
-    if not isinstance(query, str):
-        raise invalid_request("query must be a string", "query")
-    docs = data.get("documents")
-    if not isinstance(docs, list) or not docs:
-        raise invalid_request("documents must be a non-empty array of strings", "documents")
-    extra: tuple[str, ...] = ()
-    instruct = data.get("instruct")
-    if instruct is not None:
-        if not isinstance(instruct, str):
-            raise invalid_request("instruct must be a string", "instruct")
-        extra = (instruct,)
-    seqs = []
-    for i, doc in enumerate(docs):
-        if not isinstance(doc, str):
-            raise invalid_request(f"documents[{i}] must be a string", f"documents[{i}]")
-        seqs.append(SequencePrompt(texts=(query, doc, *extra), token_ids=RERANK_OVERHEAD_TOKENS))
-    return tuple(seqs), "documents"
-
-
-def _score(data: Mapping[str, Any]) -> _Parsed:
-    """SGLang's scoring: one prefill per item of query + item (serving_score.py)."""
-    query, items = data.get("query"), data.get("items")
-    if isinstance(items, str):
-        items = [items]
-    if not isinstance(items, list) or not items:
-        raise invalid_request("items must be a string or a non-empty array", "items")
-    if isinstance(query, str):
-        if not all(isinstance(x, str) for x in items):
-            raise invalid_request("items must be strings when query is a string", "items")
-        return tuple(SequencePrompt(texts=(query, x)) for x in items), "items"
-    if not isinstance(query, list):
-        raise invalid_request("query must be a string or an array of token ids", "query")
-    q = _ids(query, "query")
-    seqs = tuple(SequencePrompt(token_ids=q + _ids(x, f"items[{i}]")) for i, x in enumerate(items))
-    return seqs, "items"
-
-
-def _encode(data: Mapping[str, Any]) -> _Parsed:
-    """SGLang's EmbeddingReqInput (`/encode`, `/classify`): text, text pairs or input_ids."""
-    if data.get("input_embeds") is not None:
-        raise invalid_request("input_embeds is not supported through kvproxy", "input_embeds")
-    text, input_ids = data.get("text"), data.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise invalid_request("exactly one of text or input_ids is required", "text")
-    images = _media_count(data.get("image_data"), "image_data")
-    images += _media_count(data.get("video_data"), "video_data")
-    audios = _media_count(data.get("audio_data"), "audio_data")
-    if input_ids is not None:
-        if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-            counts = [_ids(x, f"input_ids[{i}]") for i, x in enumerate(input_ids)]
-        else:
-            counts = [_ids(input_ids, "input_ids")]
-        return tuple(
-            SequencePrompt(token_ids=n, images=images, audios=audios) for n in counts
-        ), "input_ids"
-    texts: list[tuple[str, ...]]
-    if isinstance(text, str):
-        texts = [(text,)]
-    elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-        texts = [(t,) for t in text]
-    elif isinstance(text, list) and text and all(_str_pair(t) for t in text):
-        texts = [tuple(t) for t in text]  # cross-encoder pairs: one sequence each
-    else:
-        raise invalid_request(
-            "text must be a string, an array of strings or an array of string pairs", "text"
-        )
-    return tuple(SequencePrompt(texts=t, images=images, audios=audios) for t in texts), "text"
-
-
-_PROMPT_ONLY: dict[str, Callable[[Mapping[str, Any]], _Parsed]] = {
-    "embeddings": _embeddings,
-    "classify": _embeddings,  # /v1/classify takes the embeddings `input` shape
-    "rerank": _rerank,
-    "score": _score,
-    "encode": _encode,
-    "native_classify": _encode,  # SGLang's /classify takes EmbeddingReqInput, like /encode
-}
-
-
 # --- small helpers --------------------------------------------------------------------------
-
-
-def _str_pair(value: Any) -> bool:
-    return isinstance(value, list) and len(value) == 2 and all(isinstance(s, str) for s in value)
 
 
 def _string(obj: Mapping[str, Any], key: str, p: str) -> str:
@@ -493,4 +371,4 @@ def _text_blocks(value: Any, p: str, kind: str = "text") -> list[str]:
     return texts
 
 
-__all__ = ["RERANK_OVERHEAD_TOKENS", "parse"]
+__all__ = ["parse"]

@@ -10,7 +10,7 @@ import pytest
 
 from kvproxy.errors import KvproxyError
 from kvproxy.prompt import PromptShape, parse_request
-from kvproxy.prompt_routes import RERANK_OVERHEAD_TOKENS
+from kvproxy.prompt_only import RERANK_OVERHEAD_TOKENS
 from kvproxy.proxy import _clamp_output
 
 
