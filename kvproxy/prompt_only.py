@@ -16,9 +16,10 @@ from typing import Any
 from kvproxy.errors import invalid_request
 from kvproxy.prompt import SequencePrompt, _ids, _media_count
 
-# Tokens allowed per pair for a reranker's prompt wrapper: a cross-encoder adds 3 special
-# tokens, and SGLang wraps Qwen3-Reranker pairs in an instruction prompt of ~90 tokens
-# (serving_rerank.py). 256 covers both with room; it is added to every pair's bound.
+# Tokens allowed per pair for a reranker's prompt wrapper, added to every pair's count: a
+# cross-encoder adds ~3 special tokens; Qwen3-Reranker's published prompt format wraps each
+# pair in ~90 (a fixed system prompt, <Instruct>/<Query>/<Document> labels, a default
+# instruction when none is sent, and an empty think block). 256 covers both with room.
 RERANK_OVERHEAD_TOKENS = 256
 
 # --- prompt-only routes ---------------------------------------------------------------------
