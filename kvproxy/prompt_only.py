@@ -92,6 +92,9 @@ def _encode(data: Mapping[str, Any]) -> _Parsed:
     if data.get("input_embeds") is not None:
         raise invalid_request("input_embeds is not supported through kvproxy", "input_embeds")
     text, input_ids = data.get("text"), data.get("input_ids")
+    if text is None and input_ids is None and "input" in data:
+        # vLLM's /classify takes the OpenAI `input` shape instead.
+        return _embeddings(data)
     if (text is None) == (input_ids is None):
         raise invalid_request("exactly one of text or input_ids is required", "text")
     images = _media_count(data.get("image_data"), "image_data")

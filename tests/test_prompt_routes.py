@@ -211,6 +211,11 @@ def test_rerank_score_and_encode_sequences() -> None:
     assert [p.texts for p in enc.prompts] == [("a", "b"), ("c", "d")]
     assert [p.images for p in enc.prompts] == [1, 1]
     assert parse("native_classify", {"input_ids": [[1], [2, 3]]}).prompts[1].token_ids == 2
+    # vLLM's /classify takes OpenAI's `input`.
+    assert [p.texts for p in parse("native_classify", {"input": ["a", "b"]}).prompts] == [
+        ("a",),
+        ("b",),
+    ]
 
 
 @pytest.mark.parametrize(
