@@ -276,6 +276,9 @@ def _anthropic_user(content: Any, p: str, messages: list[dict[str, Any]]) -> Non
                     else:
                         pt = f"{pb}.content[{k}].type"
                         raise invalid_request(f"{pt} is not a supported tool_result block", pt)
+                if all(part["type"] == "text" for part in text):
+                    # Exactly smg's string: text blocks joined with "\n".
+                    text = "\n".join(part["text"] for part in text)
             tool_id = _string(block, "tool_use_id", pb)
             tools.append({"role": "tool", "tool_call_id": tool_id, "content": text})
         else:

@@ -137,6 +137,7 @@ def test_messages_become_the_chat_messages_smg_builds() -> None:
     (seq,) = shape.prompts
     assert [m["role"] for m in seq.messages] == ["system", "user", "tool", "assistant"]
     assert seq.messages[0]["content"] == "s1\ns2"  # smg joins system blocks with "\n"
+    assert seq.messages[2]["content"] == [{"type": "text", "text": "r1"}, {"type": "image"}]
     assert seq.messages[3]["tool_calls"][0]["function"] == {"name": "g", "arguments": '{"k":1}'}
     assert seq.messages[3]["reasoning_content"] == "th"
     assert seq.images == 2
@@ -144,6 +145,14 @@ def test_messages_become_the_chat_messages_smg_builds() -> None:
     assert seq.tools == ({"type": "function", "function": fn},)
     assert seq.template_kwargs == {"enable_thinking": False, "thinking": False}
     assert (shape.max_output_tokens, shape.prompt_param) == (9, "messages")
+
+
+def test_a_text_only_tool_result_is_the_string_smg_builds() -> None:
+    blocks = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    result = {"type": "tool_result", "tool_use_id": "t", "content": blocks}
+    body = {"max_tokens": 1, "messages": [{"role": "user", "content": [result]}]}
+    (seq,) = parse("messages", body).prompts
+    assert seq.messages == ({"role": "tool", "tool_call_id": "t", "content": "a\nb"},)
 
 
 @pytest.mark.parametrize(
