@@ -253,3 +253,19 @@ async def test_a_client_leaving_a_stream_is_deferred_until_its_first_token(
         assert await wait_until(lambda: sum(deferred().values()) >= 1)
         got = deferred()
     assert got == {"first_token": 1, "completed": 0, "timeout": 0, "upstream_error": 0}
+
+
+async def test_prompt_only_routes_ask_for_no_decode_budget(http: aiohttp.ClientSession) -> None:
+    """With a default output of 4,000 tokens, a 5,000-token completion does not fit decode
+    (8,185), but the same ids as an embeddings input generate nothing and are admitted."""
+    async with sim_and_proxy(max_context=8192, default_output_tokens=4000) as (_, proxy):
+        body = {"model": "m", "prompt": [65] * 5000}
+        async with http.post(proxy.public_url + "/v1/completions", json=body) as resp:
+            assert resp.status == 400
+            assert resp.headers["X-Kvproxy-Decision"] == "rejected"
+        async with http.post(proxy.public_url + "/v1/embeddings", json={"input": [65] * 5000}) as r:
+            assert r.headers["X-Kvproxy-Decision"] == "admitted"
+        async with http.post(
+            proxy.public_url + "/v1/rerank", json={"query": "q", "documents": ["d"]}
+        ) as r:
+            assert r.headers["X-Kvproxy-Decision"] == "admitted"
