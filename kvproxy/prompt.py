@@ -126,7 +126,8 @@ _CORE_ROUTES: frozenset[Route] = frozenset({"chat", "completions", "generate"})
 
 
 def route_for_path(path: str) -> Route | None:
-    """The inference route for a request path; None for everything else (passed through)."""
+    """The counted inference route for a path; None for everything else (`kvproxy.routes`
+    decides whether that is passed through or refused)."""
     if len(path) > 1 and path.endswith("/"):
         path = path.rstrip("/")
     return _ROUTES.get(path)
