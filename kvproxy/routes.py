@@ -148,12 +148,16 @@ def parse_passthrough(entries: Iterable[str]) -> RouteTable:
             raise ValueError(f"{entry!r}: the path must be a canonical absolute path")
         if bare != "/" and bare.endswith("/"):
             raise ValueError(f"{entry!r}: write the path without a trailing slash")
-        if route_for_path(bare) is not None or (
-            wildcard and any(p.startswith(bare + "/") for p in _ROUTES)
+        prefix = bare.rstrip("/") + "/"
+        # A wildcard covers what is under its prefix (`/v1/responses/*` leaves the counted
+        # `/v1/responses`, and its trailing-slash spelling, counted: classify looks those up
+        # first); it may not cover a counted route.
+        if (wildcard and any(p.startswith(prefix) for p in _ROUTES)) or (
+            not wildcard and route_for_path(bare) is not None
         ):
             raise ValueError(f"{entry!r}: a counted inference route cannot be passed through")
         if wildcard:
-            prefixes.append((bare.rstrip("/") + "/", methods))
+            prefixes.append((prefix, methods))
         else:
             exact[bare] = methods
     return RouteTable(exact, tuple(prefixes))

@@ -115,6 +115,14 @@ def test_operator_routes() -> None:
     assert table.classify("POST", "/v1/chat/completions").kind == "counted"
 
 
+def test_a_wildcard_under_a_counted_route_leaves_the_route_counted() -> None:
+    table = parse_passthrough(["GET /v1/responses/*"])
+    assert table.classify("GET", "/v1/responses/resp_1").kind == "passthrough"
+    assert table.classify("POST", "/v1/responses/resp_1/cancel").kind == "refused"
+    assert table.classify("POST", "/v1/responses").kind == "counted"
+    assert table.classify("POST", "/v1/responses/").kind == "counted"
+
+
 @pytest.mark.parametrize(
     "entry",
     [
