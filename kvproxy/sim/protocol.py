@@ -1,7 +1,8 @@
 """Request parsing and response shapes of the engines' generation routes (sans-IO).
 
 Owns: reading ``/v1/chat/completions``, ``/v1/completions`` and SGLang's ``/generate``
-bodies into one ``GenRequest`` (token ids after the chat template, output budget, stream
+bodies (and ``/v1/responses`` / ``/v1/messages``, converted to chat by ``converse``) into one
+``GenRequest`` (token ids after the chat template, output budget, stream
 flags, PD bootstrap fields), and writing replies in the engines' formats: OpenAI objects
 and chunks, SGLang's native ``{"text", "meta_info"}``, and ``data: ...`` SSE framing.
 
