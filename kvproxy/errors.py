@@ -11,7 +11,9 @@ Tree of what a request can end in, besides a relayed upstream response:
     │   ├── body_read_timeout         408   request_timeout             body_read_timeout
     │   ├── capacity_unknown          503   capacity_unknown            capacity_unknown
     │   ├── count_unavailable         503   token_count_unavailable     count_unavailable
-    │   └── over_budget               429   inflight_budget_exceeded    over_budget
+    │   ├── over_budget               429   inflight_budget_exceeded    over_budget
+    │   ├── method_not_allowed        405   method_not_allowed          method_not_allowed
+    │   └── route_not_found           404   route_not_found             route_not_found
     └── upstream failures (map_upstream_exception)
         ├── upstream_unreachable      502   upstream_unreachable
         ├── upstream_reset            502   upstream_reset
@@ -44,6 +46,7 @@ REJECTION_REASONS = (
     "count_unavailable",
     "over_budget",
     "method_not_allowed",
+    "route_not_found",
 )
 
 
@@ -220,6 +223,16 @@ def method_not_allowed(method: str) -> KvproxyError:
         code="method_not_allowed",
         reason="method_not_allowed",
         message=f"method {method} is not allowed on inference routes",
+    )
+
+
+def route_not_found(why: str) -> KvproxyError:
+    # The allowlist's refusal (kvproxy.routes): never forwarded. `why` never quotes the path.
+    return KvproxyError(
+        status=404,
+        code="route_not_found",
+        reason="route_not_found",
+        message=f"kvproxy does not forward this request: {why}",
     )
 
 

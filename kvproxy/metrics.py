@@ -37,6 +37,8 @@ class Metrics:
         r = self.registry
 
         # --- requests ---------------------------------------------------------------------
+        # `route` is bounded: a counted route's name (kvproxy.prompt.Route), "passthrough" or
+        # "refused" (kvproxy.routes.RouteMatch.label); never a path.
         self.requests_total = Counter(
             "kvproxy_requests_total",
             "Requests handled, by route and admission decision.",

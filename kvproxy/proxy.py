@@ -1,6 +1,8 @@
 """The public handler: read the body, decide admission, forward, relay.
 
 Order matters and each step fails closed:
+  0. routes fail closed (kvproxy.routes): a path that is neither counted nor pass-through is a
+     404 and is never forwarded;
   1. refuse while stopping, refuse oversize bodies on Content-Length (413) before reading;
   2. read the body under a deadline (slowloris: 408);
   3. capacity unknown -> 503 before any parsing (I3);
@@ -16,6 +18,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -23,8 +26,9 @@ from aiohttp import web
 from kvproxy import admission, errors
 from kvproxy.errors import ErrorStyle, KvproxyError
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
-from kvproxy.prompt import PromptShape, Route, parse_request, route_for_path
+from kvproxy.prompt import PromptShape, Route, parse_request
 from kvproxy.relay import Exchange, error_response, filter_headers
+from kvproxy.routes import RouteMatch, route_table
 from kvproxy.state import ServerState
 
 log = logging.getLogger("kvproxy.proxy")
@@ -33,24 +37,33 @@ access_log = logging.getLogger(ACCESS_LOGGER)
 STATE_KEY = web.AppKey("kvproxy_state", ServerState)
 
 
+# SGLang's native routes answer in its flat error shape; everything else (the OpenAI routes,
+# and /v1/messages, where smg answers in the same OpenAI shape) gets OpenAI's.
+_SGLANG_STYLE: frozenset[Route | None] = frozenset({"generate", "encode", "native_classify"})
+
+
 def _style(route: Route | None) -> ErrorStyle:
-    return "sglang" if route == "generate" else "openai"
+    return "sglang" if route in _SGLANG_STYLE else "openai"
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    route = route_for_path(request.path)
+    # Decided on the raw path that is forwarded, never on a decoded form (kvproxy.routes).
+    match = route_table(state.settings.passthrough_routes).classify(
+        request.method, request.rel_url.raw_path
+    )
+    route = match.route
     rec = AccessRecord(
         request_id=request.headers.get("X-Request-ID") or os.urandom(16).hex(),
         method=request.method,
         path=request.path if route is not None else "other",
-        route=route or "passthrough",
+        route=match.label,
         started=time.monotonic(),
     )
     state.enter()
     try:
         try:
-            resp = await _handle(state, request, route, rec)
+            resp = await _handle(state, request, match, rec)
         except Exception as exc:
             # A bug must cost one request a 500, never the process; the log names the
             # exception type only (its message could quote request content).
@@ -83,9 +96,10 @@ def _client_gone_response() -> web.StreamResponse:
 
 
 async def _handle(
-    state: ServerState, request: web.Request, route: Route | None, rec: AccessRecord
+    state: ServerState, request: web.Request, match: RouteMatch, rec: AccessRecord
 ) -> web.StreamResponse | None:
     s = state.settings
+    route = match.route
     style = _style(route)
     tenant = state.tenants.resolve(request.headers)
     rec.tenant = tenant
@@ -100,6 +114,10 @@ async def _handle(
             headers={"Retry-After": "1", "Connection": "close"},
         )
         return _reject(state, rec, err, style)
+
+    if match.kind == "refused":
+        # Before the body is read: nothing of it is needed, and nothing is sent (I7).
+        return _reject(state, rec, errors.route_not_found(match.why), style)
 
     if request.content_length is not None and request.content_length > s.max_body_bytes:
         return _reject(
@@ -254,9 +272,39 @@ def _decide(
         param=shape.prompt_param,
     )
     s = state.settings
+    if not shape.generates:
+        # Prompt-only routes (embeddings, rerank, ...) generate nothing: I1 applies, I4 not.
+        limits = _PromptOnly(limits)
     return admission.decide(
         count, limits, admission.Policy(s.decode_policy, s.default_output_tokens)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _PromptOnly:
+    """The limits with no decode side, for requests that generate no tokens."""
+
+    inner: admission.LimitsView
+
+    @property
+    def known(self) -> bool:
+        return self.inner.known
+
+    @property
+    def admission_limit_tokens(self) -> int | None:
+        return self.inner.admission_limit_tokens
+
+    @property
+    def decode_limit_tokens(self) -> int | None:
+        return None
+
+    @property
+    def source(self) -> str:
+        return self.inner.source
+
+    @property
+    def why(self) -> str:
+        return self.inner.why
 
 
 def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.LimitsView) -> int:
@@ -264,7 +312,7 @@ def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.Lim
     whenever its cheap bound would fail either check (I1 on prefill, I4 on decode)."""
     limit = limits.admission_limit_tokens or 0
     decode = limits.decode_limit_tokens
-    if decode is not None and state.settings.decode_policy == "reject":
+    if decode is not None and shape.generates and state.settings.decode_policy == "reject":
         out = shape.max_output_tokens or state.settings.default_output_tokens
         limit = min(limit, decode - out * max(shape.n, 1))
     return max(limit, 0)
@@ -294,6 +342,10 @@ def _clamp_output(body: bytes, route: Route, max_tokens: int) -> bytes:
     if route == "generate":
         sp = data.setdefault("sampling_params", {})
         sp["max_new_tokens"] = max_tokens
+    elif route == "responses":
+        data["max_output_tokens"] = max_tokens
+    elif route == "messages":
+        data["max_tokens"] = max_tokens
     else:
         data.pop("max_completion_tokens", None)
         data["max_tokens"] = max_tokens

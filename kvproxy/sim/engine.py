@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvproxy.sim.converse import ROUTE_MESSAGES, ROUTE_RESPONSES
 from kvproxy.sim.limits import (
     EngineError,
     Limits,
@@ -177,6 +178,8 @@ class EngineServer:
         r.add_post("/sim/reset", self._sim_reset)
         r.add_post(ROUTE_CHAT, self._generate)
         r.add_post(ROUTE_COMPLETIONS, self._generate)
+        r.add_post(ROUTE_RESPONSES, self._generate)
+        r.add_post(ROUTE_MESSAGES, self._generate)
         if self.config.flavor == "sglang":
             r.add_get("/server_info", self._server_info)
             r.add_get("/get_server_info", self._server_info)

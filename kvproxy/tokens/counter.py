@@ -35,7 +35,7 @@ from typing import Any, Literal, TypeVar
 
 from kvproxy import errors
 from kvproxy.errors import KvproxyError
-from kvproxy.prompt import PromptShape, SequencePrompt
+from kvproxy.prompt import CHAT_ROUTES, PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest
@@ -189,7 +189,7 @@ class TokenCounter:
     # --- plans (sync: on the loop for small shapes, else in a worker) -----------------------
 
     def _plan(self, shape: PromptShape) -> list[_Plan]:
-        chat = shape.route == "chat"
+        chat = shape.route in CHAT_ROUTES
         return [self._plan_chat(s) if chat else self._plan_text(s) for s in shape.prompts]
 
     def _media(self, seq: SequencePrompt) -> int:
