@@ -130,6 +130,9 @@ class KvproxyServer:
             self._public_app(),
             access_log=None,
             handler_cancellation=False,  # I5: a client leaving must not cancel the handler
+            # Bodies arrive as sent: kvproxy.body decides what a Content-Encoding means,
+            # for counted and pass-through routes alike.
+            auto_decompress=False,
             shutdown_timeout=FINAL_CLEANUP_S,
         )
         await self._public.setup()

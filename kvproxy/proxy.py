@@ -2,11 +2,12 @@
 
 Order matters and each step fails closed:
   1. refuse while stopping, refuse oversize bodies on Content-Length (413) before reading;
-  2. read the body under a deadline (slowloris: 408);
+  2. read the body under a deadline (slowloris: 408); on counted routes undo its
+     Content-Encoding (kvproxy.body: 400 undecodable, 415 unsupported, 413 past the limit);
   3. capacity unknown -> 503 before any parsing (I3);
   4. parse (400 naming the field), count (bound first, exact only if needed), decide (I1, I4);
   5. take in-flight budget (429 when it cannot be had in time);
-  6. forward the original bytes (no re-serialisation) and relay (I5, I6).
+  6. forward the bytes as read (decoded if they were; no re-serialisation) and relay (I5, I6).
 A rejected request sends nothing upstream (I7). Nothing here logs request or response text (I8).
 """
 
@@ -21,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from kvproxy import admission, errors
+from kvproxy.body import content_coding, decode, forwarded_headers, read_raw
 from kvproxy.errors import ErrorStyle, KvproxyError
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
 from kvproxy.prompt import PromptShape, Route, parse_request, route_for_path
@@ -109,7 +111,7 @@ async def _handle(
     try:
         # asyncio.timeout, not wait_for: no extra task per request on the hot path.
         async with asyncio.timeout(s.body_read_timeout_s):
-            body = await _read_body(request, s.max_body_bytes)
+            body = await read_raw(request, s.max_body_bytes)
     except KvproxyError as err:
         return _reject(state, rec, err, style)
     except TimeoutError:
@@ -133,6 +135,15 @@ async def _handle(
     if route is not None:
         if request.method != "POST":
             return _reject(state, rec, errors.method_not_allowed(request.method), style)
+        # Counted routes see (and forward) the decoded body, so what is counted is what the
+        # engine reads and the headers say what is sent; pass-through keeps the wire bytes.
+        try:
+            coding = content_coding(request.headers.getall("Content-Encoding", ()))
+            decoded = await decode(body, coding, s.max_body_bytes)
+        except KvproxyError as err:
+            return _reject(state, rec, err, style)
+        body = decoded.data
+        forwarded_headers(headers, decoded)
         decided = await _admit(state, route, body, rec)
         if isinstance(decided, KvproxyError):
             return _reject(state, rec, decided, style)
@@ -183,16 +194,6 @@ async def _handle(
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
-
-
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    # Content-Length was checked already; chunked uploads are counted as they arrive.
-    buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise errors.body_too_large(None, limit)
-    return bytes(buf)
 
 
 async def _admit(
