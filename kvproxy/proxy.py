@@ -23,6 +23,7 @@ from aiohttp import web
 
 from kvproxy import admission, errors
 from kvproxy.body import content_coding, decode, forwarded_headers, read_raw
+from kvproxy.budget import charge_tokens
 from kvproxy.errors import ErrorStyle, KvproxyError
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
 from kvproxy.prompt import PromptShape, Route, parse_request, route_for_path
@@ -152,7 +153,8 @@ async def _handle(
         extra["X-Kvproxy-Decision"] = "admitted"
         extra["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
         try:
-            lease = await state.budget.acquire(verdict.prompt_tokens)
+            # The budget holds what the engines will hold: every sequence, every sample.
+            lease = await state.budget.acquire(charge_tokens(verdict.total, shape.n))
         except KvproxyError as err:
             return _reject(state, rec, err, style, extra)
         rec.decision = "admitted"
@@ -209,7 +211,9 @@ async def _admit(
         return err
     t0 = time.perf_counter()
     try:
-        count = await state.counter.count(shape, _admit_at_most(state, shape, limits))
+        count = await state.counter.count(
+            shape, _admit_at_most(state, shape, limits), _charge_at_most(state, shape)
+        )
     except KvproxyError as err:
         return err
     m = state.metrics
@@ -217,7 +221,9 @@ async def _admit(
     m.prompt_tokens.labels(count.method).observe(count.tokens)
     rec.prompt_tokens = count.tokens
     rec.count_method = count.method
-    verdict = _decide(state, shape, count.tokens, count.method, count.exact, limits)
+    verdict = _decide(
+        state, shape, count.tokens, count.total_tokens, count.method, count.exact, limits
+    )
     if isinstance(verdict, admission.Reject):
         return verdict.error
     return shape, verdict
@@ -232,6 +238,7 @@ def _recheck(
         state,
         shape,
         verdict.prompt_tokens,
+        verdict.total,
         verdict.method,
         verdict.method != "bound",
         state.capacity.limits(),
@@ -242,6 +249,7 @@ def _decide(
     state: ServerState,
     shape: PromptShape,
     tokens: int,
+    total_tokens: int,
     method: admission.CountMethod,
     exact: bool,
     limits: admission.LimitsView,
@@ -253,6 +261,7 @@ def _decide(
         output_tokens=shape.max_output_tokens,
         n=shape.n,
         param=shape.prompt_param,
+        total_tokens=total_tokens,
     )
     s = state.settings
     return admission.decide(
@@ -269,6 +278,13 @@ def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.Lim
         out = shape.max_output_tokens or state.settings.default_output_tokens
         limit = min(limit, decode - out * max(shape.n, 1))
     return max(limit, 0)
+
+
+def _charge_at_most(state: ServerState, shape: PromptShape) -> int | None:
+    """The largest batch total the budget could ever lend, so the counter tokenizes exactly
+    rather than refuse a batch whose summed bound, not its real size, is over the budget."""
+    max_tokens = state.budget.max_tokens
+    return None if max_tokens is None else max_tokens // max(shape.n, 1)
 
 
 def _reject(
