@@ -18,12 +18,12 @@ import logging
 import os
 import time
 
-import orjson
 from aiohttp import web
 
 from kvproxy import admission, errors
 from kvproxy.body import content_coding, decode, forwarded_headers, read_raw
 from kvproxy.budget import charge_tokens
+from kvproxy.clamp import clamp_output
 from kvproxy.errors import ErrorStyle, KvproxyError
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
 from kvproxy.prompt import PromptShape, Route, parse_request, route_for_path
@@ -172,7 +172,11 @@ async def _handle(
         # Clamped from the verdict that holds at send time: a decode pool that shrank while
         # the request queued needs a smaller cap than the one decided before (I4).
         if verdict.clamped_output_tokens is not None:
-            body = _clamp_output(body, route, verdict.clamped_output_tokens)
+            try:
+                body = clamp_output(body, route, verdict.clamped_output_tokens)
+            except KvproxyError as err:
+                lease.release()
+                return _reject(state, rec, err, style, extra)
             extra["X-Kvproxy-Output-Clamped"] = str(verdict.clamped_output_tokens)
 
     scanner = state.canaries.scanner(tenant) if state.canaries.active else None
@@ -303,18 +307,6 @@ def _reject(
     if rec.prompt_tokens is not None:
         headers["X-Kvproxy-Prompt-Tokens"] = str(rec.prompt_tokens)
     return error_response(err, headers, style)
-
-
-def _clamp_output(body: bytes, route: Route, max_tokens: int) -> bytes:
-    # Only under decode_policy=clamp do we re-serialise: the request must carry the new cap.
-    data = orjson.loads(body)
-    if route == "generate":
-        sp = data.setdefault("sampling_params", {})
-        sp["max_new_tokens"] = max_tokens
-    else:
-        data.pop("max_completion_tokens", None)
-        data["max_tokens"] = max_tokens
-    return orjson.dumps(data)
 
 
 def _drift(state: ServerState, rec: AccessRecord, engine_tokens: int) -> None:
