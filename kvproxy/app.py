@@ -91,7 +91,13 @@ class KvproxyServer:
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
         capacity = CapacityMonitor(s, self.metrics)
-        counter = self._counter or build_counter(s, capacity=capacity, session=session)
+        try:
+            counter = self._counter or build_counter(s, capacity=capacity, session=session)
+        except BaseException:
+            # A tokenizer that cannot be loaded (a missing extra, a bad path) ends the start
+            # with one line; the session made above must not leak an "Unclosed" warning too.
+            await session.close()
+            raise
         self._state = state = ServerState(
             settings=s,
             metrics=self.metrics,
