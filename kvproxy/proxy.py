@@ -145,6 +145,9 @@ async def _handle(
             return _reject(state, rec, err, style)
         body = decoded.data
         forwarded_headers(headers, decoded)
+        # The answer must come back uncompressed: the tripwire, the SSE reader and the usage
+        # drift check read its bytes, and compressed bytes would hide a foreign marker.
+        headers["Accept-Encoding"] = "identity"
         decided = await _admit(state, route, body, rec)
         if isinstance(decided, KvproxyError):
             return _reject(state, rec, decided, style)

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvtest import FakeUpstream, running_proxy, static_engines
+from kvtest import FakeUpstream, canary_settings, running_proxy, static_engines
 
 from kvproxy import body
 from kvproxy.errors import KvproxyError
@@ -265,3 +265,41 @@ def test_inflating_stops_at_the_limit() -> None:
         body.inflate(gzip.compress(b"\0" * 100_001), "gzip", 100_000)
     assert info.value.status == 413
     assert body.inflate(gzip.compress(b"\0" * 100_000), "gzip", 100_000) == b"\0" * 100_000
+
+
+# --- the answer's encoding: what the tripwire reads must be plain -------------------------
+
+
+async def test_counted_routes_ask_the_upstream_for_an_uncompressed_answer(
+    http: aiohttp.ClientSession,
+) -> None:
+    """An upstream that honours Accept-Encoding would gzip the answer, and the tripwire would
+    scan compressed bytes: a foreign tenant's marker would reach the client unseen."""
+    marker = "KVCANARY-canary-a-0123456789abcdef"
+    up = FakeUpstream()
+
+    async def compressing(request: web.Request) -> web.StreamResponse:
+        payload = orjson.dumps({"id": "c", "choices": [{"message": {"content": marker}}]})
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            return web.Response(
+                body=gzip.compress(payload),
+                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+            )
+        return web.Response(body=payload, content_type="application/json")
+
+    up.route("POST", "/{tail:.*}", compressing)
+    await up.start()
+    try:
+        async with (
+            running_proxy(up.url, **canary_settings()) as proxy,
+            http.post(
+                proxy.public_url + PATHS["chat"],
+                data=orjson.dumps(PROMPTS["chat"]),
+                headers={"Accept-Encoding": "gzip, br", "X-Tenant-ID": "canary-b"},
+            ) as resp,
+        ):
+            assert resp.status == 502
+            assert marker.encode() not in await resp.read()
+        assert up.received[0]["headers"]["Accept-Encoding"] == "identity"
+    finally:
+        await up.close()
