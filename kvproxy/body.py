@@ -95,7 +95,8 @@ def content_coding(values: Iterable[str]) -> str | None:
     coding = codings[0]
     if coding not in DECODABLE:
         # The name is echoed only if it is a plain token: it is client input.
-        shown = coding if coding.isascii() and coding.isalnum() and len(coding) <= 16 else "?"
+        plain = coding.isascii() and all(c.isalnum() or c in "-._" for c in coding)
+        shown = coding if plain and len(coding) <= 16 else "?"
         raise errors.unsupported_content_encoding(
             f"content coding {shown!r} is not supported", ACCEPT_ENCODING
         )
