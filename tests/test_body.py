@@ -7,6 +7,7 @@ bytes exactly as kvproxy put them on the wire, next to the headers that travelle
 from __future__ import annotations
 
 import gzip
+import threading
 import zlib
 from collections.abc import AsyncIterator
 
@@ -303,3 +304,26 @@ async def test_counted_routes_ask_the_upstream_for_an_uncompressed_answer(
         assert up.received[0]["headers"]["Accept-Encoding"] == "identity"
     finally:
         await up.close()
+
+
+async def test_bodies_that_could_inflate_far_are_decoded_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 64 KiB bomb inflating to 32 MiB took ~150 ms: on the loop it would stall every
+    request. Only bodies of at most INLINE_INFLATE_BYTES (<= ~1 MiB of output) stay inline."""
+    threads: list[int] = []
+    real = body.inflate
+
+    def recording(raw: bytes, coding: str, limit: int) -> bytes:
+        threads.append(threading.get_ident())
+        return real(raw, coding, limit)
+
+    monkeypatch.setattr(body, "inflate", recording)
+    small = gzip.compress(b"x" * 100)
+    large = gzip.compress(bytes(range(256)) * 64, 0)  # stored blocks: > 1 KiB on the wire
+    assert len(small) <= body.INLINE_INFLATE_BYTES < len(large)
+    assert (await body.decode(small, "gzip", 10**6)).data == b"x" * 100
+    assert (await body.decode(large, "gzip", 10**6)).data == bytes(range(256)) * 64
+    loop_thread = threading.get_ident()
+    assert threads[0] == loop_thread
+    assert threads[1] != loop_thread
