@@ -8,6 +8,7 @@ Tree of what a request can end in, besides a relayed upstream response:
     │   ├── decode_budget_exceeded    400   context_length_exceeded     decode_budget
     │   ├── invalid_request           400   invalid_request             invalid_request
     │   ├── body_too_large            413   request_too_large           body_too_large
+    │   ├── unsupported_content_encoding 415 unsupported_content_encoding content_encoding
     │   ├── body_read_timeout         408   request_timeout             body_read_timeout
     │   ├── capacity_unknown          503   capacity_unknown            capacity_unknown
     │   ├── count_unavailable         503   token_count_unavailable     count_unavailable
@@ -41,6 +42,7 @@ REJECTION_REASONS = (
     "decode_budget",
     "invalid_request",
     "body_too_large",
+    "content_encoding",
     "body_read_timeout",
     "capacity_unknown",
     "count_unavailable",
@@ -170,6 +172,17 @@ def body_too_large(size: int | None, limit: int) -> KvproxyError:
         code="request_too_large",
         reason="body_too_large",
         message=f"{got}; the limit is {limit:,} bytes (KVPROXY_MAX_BODY_BYTES)",
+    )
+
+
+def unsupported_content_encoding(detail: str, accepted: str) -> KvproxyError:
+    return KvproxyError(
+        status=415,
+        code="unsupported_content_encoding",
+        reason="content_encoding",
+        param="Content-Encoding",
+        message=f"{detail}; send the body uncompressed or as one of: {accepted}",
+        headers={"Accept-Encoding": accepted},
     )
 
 

@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 import pytest
 
+from kvproxy.clamp import clamp_output
 from kvproxy.errors import KvproxyError
 from kvproxy.prompt import PromptShape, parse_request
 from kvproxy.prompt_only import RERANK_OVERHEAD_TOKENS
-from kvproxy.proxy import _clamp_output
 
 
 def parse(route: Any, body: Any) -> PromptShape:
@@ -265,4 +265,4 @@ def test_prompt_only_routes_refuse_what_cannot_be_counted(
 )
 def test_clamp_writes_the_field_the_route_reads(route: Any, field: str) -> None:
     body = orjson.dumps({"max_output_tokens": 900, "max_tokens": 900})
-    assert orjson.loads(_clamp_output(body, route, 5))[field] == 5
+    assert orjson.loads(clamp_output(body, route, 5))[field] == 5
