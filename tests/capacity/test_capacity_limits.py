@@ -65,7 +65,9 @@ def test_sglang_issue_numbers() -> None:
     # The incident's pool.
     got = sglang_limits(pool_tokens=681_280, context_tokens=1_048_576, max_req_input_len=681_274)
     assert got.input_limit_tokens == 681_273
-    assert got.decode_limit_tokens == 681_273
+    # Served uncut: max_new <= max_req_len (681,279) - input - 1, so prompt + output
+    # <= 681,278 (no page size given: no page term).
+    assert got.decode_limit_tokens == 681_278
 
 
 def test_sglang_context_binds() -> None:

@@ -58,7 +58,9 @@ def test_sglang_05_prefill_with_metrics_and_models() -> None:
     assert got.context_source is not None
     assert got.context_source.startswith("metrics.sglang:context_len")
     assert (got.page_size, got.page_size_source) == (64, "server_info.page_size")
-    assert got.decode_limit_tokens == 681_273
+    # The scheduler's page-aware clamp (PR #25126): ceil_page(P) + out <= 681,280 - 64 - 1
+    # holds for every P + out <= 681,280 - 2 x 64 = 681,152.
+    assert got.decode_limit_tokens == 681_152
     assert got.bound_by == "pool"
     assert got.source == "measured"
     # The engine itself is configured with a context larger than its pool.
@@ -109,7 +111,8 @@ def test_sglang_decode_without_max_req_input_len_uses_metrics_context() -> None:
     got = measure_sglang(DECODE, info, metrics_text=load_text("sglang_0.5_decode_metrics.prom"))
     # min(1,048,576, 2,618,868) - 7
     assert got.input_limit_tokens == 1_048_569
-    assert got.decode_limit_tokens == 1_048_569
+    # max_req_len = 1,048,575 (context - 1): prompt + output <= 1,048,574 is served uncut.
+    assert got.decode_limit_tokens == 1_048_574
     assert got.bound_by == "context"
     assert got.input_limit_source.startswith("metrics.sglang:context_len")
 
