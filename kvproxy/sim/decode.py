@@ -77,7 +77,7 @@ class DecodeServer(EngineServer):
             room=req.bootstrap_room, prefill_url=f"http://{req.bootstrap_host}:{port}"
         )
         n = len(req.input_ids)
-        refusal = pool_refusal(self.limits, n)
+        refusal = pool_refusal(self.limits, n, self.config.flavor)
         if refusal is not None:
             self.stats.rejections_at_admission += 1
             self.spawn(self._tell_prefill_abort(state))

@@ -119,9 +119,12 @@ def check_context(flavor: Flavor, limits: Limits, n_input: int, max_new_tokens: 
         )
 
 
-def pool_refusal(limits: Limits, n_input: int) -> str | None:
-    """SGLang scheduler's message when the prompt does not fit the pool, else None."""
-    if n_input < limits.max_req_input_len:
+def pool_refusal(limits: Limits, n_input: int, flavor: Flavor = "sglang") -> str | None:
+    """SGLang scheduler's message when the prompt does not fit the pool, else None.
+
+    vLLM has no such check: it refuses to start when max_model_len exceeds its pool, so
+    the context check is its only refusal."""
+    if flavor == "vllm" or n_input < limits.max_req_input_len:
         return None
     return (
         f"Input length ({n_input} tokens) exceeds the maximum allowed length "
