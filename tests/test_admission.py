@@ -18,6 +18,7 @@ class L:
     known: bool = True
     admission_limit_tokens: int | None = 681_273
     decode_limit_tokens: int | None = 1_000_000
+    decode_prompt_limit_tokens: int | None = None
     source: str = "measured"
     why: str = "measured prefill KV pool of prefill-0"
 

@@ -103,9 +103,14 @@ def sglang_limits(
         # This is what catches a DP rank whose pool is below the one max_req_input_len
         # was computed from (the top-level report is rank 0's).
         candidates.append((pool - SGLANG_RESERVED_TOKENS, "pool", False))
-    if context_tokens is not None and reserved_tokens:
+    # The tokenizer manager's context: when no report names it, the smallest context the
+    # engine's max_req_input_len allows (max_req_len + 1) keeps the reserve rule safe.
+    check_context = context_tokens
+    if check_context is None and max_req_input_len is not None:
+        check_context = max_req_input_len + 6
+    if check_context is not None and reserved_tokens:
         # tokenizer_manager: input + reserve >= context_len is refused.
-        candidates.append((context_tokens - reserved_tokens - 1, "context", False))
+        candidates.append((check_context - reserved_tokens - 1, "context", False))
     if max_req_input_len is not None:
         reported = max_req_input_len - 1
         bound: BoundBy = "pool" if reported >= pool - SGLANG_RESERVED_TOKENS else "context"
@@ -124,8 +129,10 @@ def sglang_limits(
         # in /server_info predate it.
         decode = min(decode, pool - 2 * page_size)
     request_limit = None
-    if context_tokens is not None:
-        request_limit = context_tokens - reserved_tokens - 1
+    # Without a reported context the inferred one is only used where a reserve needs it:
+    # it could sit far below the real context and would cut outputs needlessly.
+    if context_tokens is not None or (check_context is not None and reserved_tokens):
+        request_limit = (context_tokens or check_context or 0) - reserved_tokens - 1
         decode = min(decode, request_limit)
     return EngineLimits(
         limit,
@@ -162,6 +169,11 @@ class Limits:
     decode_source: Source = "measured"
     decode_why: str = ""
     decode_binding_engine: str | None = None
+    # Largest prompt every decode-side engine accepts with no output at all. A prompt this
+    # long with max_tokens 0 is served even where the decode limit (a bound on prompt +
+    # output, linear in both) sits below it: SGLang's page-aware clamp makes the pool term
+    # up to 2 x page_size stricter than the input check.
+    decode_prompt_limit_tokens: int | None = None
     # Smallest measured (not declared) prefill/unified input limit, before margin.
     measured_limit_tokens: int | None = None
     margin_tokens: int = 0
@@ -180,6 +192,7 @@ class Limits:
             "decode_source": self.decode_source,
             "decode_why": self.decode_why,
             "decode_binding_engine": self.decode_binding_engine,
+            "decode_prompt_limit_tokens": self.decode_prompt_limit_tokens,
             "declared_context": self.declared_context,
             "measured_limit_tokens": self.measured_limit_tokens,
             "margin_tokens": self.margin_tokens,
@@ -224,6 +237,7 @@ def derive_limits(
     unknown = dict(unknown or {})
     adm: list[_Candidate] = []
     dec: list[_Candidate] = []
+    dec_prompt: list[int] = []
     capacities: list[tuple[int, EngineMeasurement]] = []
     for m in measurements:
         declared = m.source == "declared"
@@ -238,6 +252,7 @@ def derive_limits(
                 capacities.append((cap, m))
         if m.role in _DECODE_ROLES and m.decode_limit_tokens is not None:
             dec.append(_Candidate(m.decode_limit_tokens, m.limit_phrase(), m.engine, declared))
+            dec_prompt.append(m.input_limit_tokens)
         elif m.role == "prefill" and m.request_limit_tokens is not None:
             # Prefill's front end checks input + output against its context too.
             dec.append(
@@ -285,6 +300,7 @@ def derive_limits(
                 adm.append(fb)
             if role in _DECODE_ROLES:
                 dec.append(fb)
+                dec_prompt.append(fallback_limit_tokens)
     if max_context is not None:
         adm.append(_Candidate(max_context, "declared context (KVPROXY_MAX_CONTEXT)", None, True))
 
@@ -327,6 +343,9 @@ def derive_limits(
             else "no decode or unified engine is configured: the decode budget is not checked"
         ),
         decode_binding_engine=decode_best.engine if decode_best is not None else None,
+        decode_prompt_limit_tokens=(
+            max(0, min(dec_prompt) - margin_tokens) if dec_prompt and decode_best else None
+        ),
         measured_limit_tokens=measured_limit,
         margin_tokens=margin_tokens,
         unknown_engines=unknown_labels,

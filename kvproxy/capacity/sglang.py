@@ -231,10 +231,11 @@ def measure_sglang(
         input_source = str(mril_source)
     elif (
         args.reserved_tokens
-        and context_tokens is not None
-        and limits.input_limit_tokens == context_tokens - args.reserved_tokens - 1
+        and limits.request_limit_tokens is not None
+        and limits.input_limit_tokens == limits.request_limit_tokens
     ):
-        input_source = f"{context_source} - 1 - {args.reserve_source}"
+        where = context_source or f"{mril_source} + 6 (the smallest context it allows)"
+        input_source = f"{where} - 1 - {args.reserve_source}"
     elif limits.bound_by == "pool":
         input_source = pool_source + (f" x {args.dcp_source}" if limits.dcp_scaled else "")
     else:

@@ -105,7 +105,9 @@ async def test_sglang_eagle_reserve_binds_below_the_context(http: aiohttp.Client
         assert got == {8174: (200, 200)}
         got = await sweep(http, sim, proxy, GENERATE, {8170: generate(8170, 7)})
         assert got == {8170: (400, 400)}
-        prefill = next(e for e in (await capacity(http, proxy))["engines"] if e["role"] == "prefill")
+        prefill = next(
+            e for e in (await capacity(http, proxy))["engines"] if e["role"] == "prefill"
+        )
         m = prefill["measurement"]
         assert "speculative_num_draft_tokens = 16" in m["sources"]["input_limit_tokens"]
         assert "server_info.speculative_algorithm" in m["fields"]["present"]
