@@ -55,7 +55,10 @@ from dataclasses import dataclass
 
 from kvproxy.capacity.measurement import BoundBy, EngineMeasurement, Role, Source
 
-# min(context, pool) - SGLANG_RESERVED_TOKENS is the largest prompt SGLang accepts.
+# The scheduler's offset: without a speculative reserve, min(context, pool x dcp) -
+# SGLANG_RESERVED_TOKENS is the largest prompt SGLang accepts (max_req_len is one below
+# the smaller, max_req_input_len five below that, refused at >=). A speculative reserve
+# is a separate rule (sglang_limits), never folded into this constant.
 SGLANG_RESERVED_TOKENS = 7
 
 _ADMISSION_ROLES = ("prefill", "unified")
@@ -126,8 +129,10 @@ def sglang_limits(
     decode = max_req_len - 1  # scheduler clamp: max_new <= max_req_len - input - 1
     if page_size is not None:
         # PR #25126: max_new <= pool - ceil_page(input) - page - 1. Builds without page_size
-        # in /server_info predate it.
-        decode = min(decode, pool - 2 * page_size)
+        # in /server_info predate it. Under DCP the allocator's page may span every rank's
+        # share (dcp x page_size): the wider page is the safe reading.
+        page = page_size * dcp_size if dcp_scaled else page_size
+        decode = min(decode, pool - 2 * page)
     request_limit = None
     # Without a reported context the inferred one is only used where a reserve needs it:
     # it could sit far below the real context and would cut outputs needlessly.

@@ -225,7 +225,8 @@ def measure_sglang(
         raise ProbeError(
             "bad_value",
             f"pool {pool_tokens:,} / context {context_tokens} leave no room for a prompt "
-            f"(SGLang reserves {SGLANG_RESERVED_TOKENS})",
+            f"(SGLang reserves {SGLANG_RESERVED_TOKENS}, plus {args.reserved_tokens} for "
+            "speculative decoding)",
         )
     if limits.from_reported:
         input_source = str(mril_source)
