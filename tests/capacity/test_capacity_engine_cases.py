@@ -201,3 +201,33 @@ async def test_unified_pool_limit_is_reachable_with_an_output(http: aiohttp.Clie
         assert await post(http, sim.router_url + GENERATE, generate(5000, 6)) == 200
         after = await stats(http, sim.router_url)
         assert after["decode"]["outputs_clamped"] == before["decode"]["outputs_clamped"] + 1
+
+
+async def test_pages_of_16_keep_the_limit_reachable_without_output(
+    http: aiohttp.ClientSession,
+) -> None:
+    # Both pools 5,312 tokens in pages of 16: the largest prompt is 5,305. The scheduler's
+    # page-aware clamp leaves 5,312 - ceil16(P) - 16 - 1 output tokens, none at all past
+    # P = 5,279, so prompt + output is served uncut only up to 5,312 - 32 = 5,280.
+    sim_opts = {
+        **FAST,
+        "mode": "fixed",
+        "context_length": 8192,
+        "prefill_pool_tokens": 5312,
+        "decode_pool_tokens": 5312,
+        "page_size": 16,
+    }
+    async with sim_and_proxy(sim_opts) as (sim, proxy):
+        lim = proxy.state.capacity.limits()
+        assert (lim.admission_limit_tokens, lim.decode_limit_tokens) == (5305, 5280)
+        # No output asked: the published limit is reachable and the engine serves it.
+        got = await sweep(
+            http, sim, proxy, GENERATE, {n: generate(n, 0) for n in (5304, 5305, 5306)}
+        )
+        assert got == {5304: (200, 200), 5305: (200, 200), 5306: (400, 400)}
+        # One output token at 5,290: the engine would answer 200 with nothing generated.
+        before = await stats(http, sim.router_url)
+        assert await post(http, proxy.public_url + GENERATE, generate(5290, 1)) == 400
+        assert await post(http, sim.router_url + GENERATE, generate(5290, 1)) == 200
+        after = await stats(http, sim.router_url)
+        assert after["decode"]["outputs_clamped"] == before["decode"]["outputs_clamped"] + 1
