@@ -10,6 +10,11 @@ Two scale facts a reader needs: pools are rounded down to whole pages as SGLang 
 (5,322 → 5,312), so prefill's ``max_req_input_len`` is 5,306; and ``--mode`` sets the
 three failure switches at once, each of which can be overridden on its own.
 
+The engines' own arithmetic cases are options too: ``--speculative-algorithm EAGLE`` with
+its sizes (SGLang's context reserve), ``--dcp-size`` (SGLang decode context parallelism),
+``--dp-size`` with ``--no-kv-cache-size-label`` (vLLM data parallelism as builds before
+PR #42206 report it).
+
 Independent oracle: never imports kvproxy code outside ``kvproxy/sim``.
 """
 
