@@ -27,6 +27,8 @@ class LimitsView(Protocol):
     @property
     def decode_limit_tokens(self) -> int | None: ...
     @property
+    def decode_prompt_limit_tokens(self) -> int | None: ...
+    @property
     def source(self) -> str: ...
     @property
     def why(self) -> str: ...
@@ -104,11 +106,22 @@ def decide(count: PromptCount, limits: LimitsView, policy: Policy) -> Decision:
 
     # I4: every sample keeps its own output pages on decode; the prompt's pages are held
     # once per sequence. Counting n x output is the conservative reading.
+    # `decode_limit` is each engine's own arithmetic (kvproxy/capacity/limits.py): the
+    # largest prompt + output it serves in full. SGLang (all versions) never refuses an
+    # output its pool cannot hold, it lowers max_new_tokens silently
+    # (scheduler.init_req_max_new_tokens), so refusing above this number refuses exactly
+    # the requests whose output the engine would cut or, past the context check
+    # (tokenizer_manager, >= in older builds, > in current ones: we keep >=), refuse.
+    # vLLM refuses prompt + max_tokens > max_model_len itself.
     per_sample = count.output_tokens
     if per_sample is None:
         per_sample = policy.default_output_tokens
     needed_output = per_sample * max(count.n, 1)
     if count.tokens + needed_output <= decode_limit:
+        return Admit(count.tokens, count.method, total_tokens=count.total)
+    prompt_only = limits.decode_prompt_limit_tokens
+    if needed_output == 0 and prompt_only is not None and count.tokens <= prompt_only:
+        # No output asked: only the decode engines' input checks apply.
         return Admit(count.tokens, count.method, total_tokens=count.total)
 
     room = decode_limit - count.tokens

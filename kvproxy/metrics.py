@@ -113,7 +113,8 @@ class Metrics:
         )
         self.decode_limit = Gauge(
             "kvproxy_decode_limit_tokens",
-            "Largest prompt + output that decode holds (inclusive); 0 while unknown.",
+            "Largest prompt + output the engines serve in full, neither refused nor cut "
+            "(inclusive); 0 while unknown.",
             registry=r,
         )
         self.declared_context = Gauge(

@@ -316,6 +316,10 @@ class _PromptOnly:
         return None
 
     @property
+    def decode_prompt_limit_tokens(self) -> int | None:
+        return None
+
+    @property
     def source(self) -> str:
         return self.inner.source
 
@@ -330,8 +334,14 @@ def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.Lim
     limit = limits.admission_limit_tokens or 0
     decode = limits.decode_limit_tokens
     if decode is not None and shape.generates and state.settings.decode_policy == "reject":
-        out = shape.max_output_tokens or state.settings.default_output_tokens
-        limit = min(limit, decode - out * max(shape.n, 1))
+        out = shape.max_output_tokens
+        if out is None:
+            out = state.settings.default_output_tokens
+        prompt_only = limits.decode_prompt_limit_tokens
+        if out == 0 and prompt_only is not None:
+            limit = min(limit, max(prompt_only, decode))  # admission.decide's two checks
+        else:
+            limit = min(limit, decode - out * max(shape.n, 1))
     return max(limit, 0)
 
 

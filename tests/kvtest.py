@@ -136,11 +136,12 @@ async def sim_and_proxy(
 
     opts = SimOptions(**{"port": 0, "prefill_port": 0, "decode_port": 0, **(sim_options or {})})
     async with SimCluster(opts) as sim:
+        kind = opts.flavor  # probe the engines the way their flavour answers
         overrides.setdefault(
             "engines",
             [
-                {"url": sim.prefill_url, "role": "prefill", "kind": "sglang"},
-                {"url": sim.decode_url, "role": "decode", "kind": "sglang"},
+                {"url": sim.prefill_url, "role": "prefill", "kind": kind},
+                {"url": sim.decode_url, "role": "decode", "kind": kind},
             ],
         )
         async with running_proxy(sim.router_url, **overrides) as proxy:
