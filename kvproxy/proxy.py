@@ -21,20 +21,16 @@ import orjson
 from aiohttp import web
 
 from kvproxy import admission, errors
-from kvproxy.errors import ErrorStyle, KvproxyError
+from kvproxy.errors import ErrorStyle, KvproxyError, error_response
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
 from kvproxy.prompt import PromptShape, Route, parse_request, route_for_path
-from kvproxy.relay import Exchange, error_response, filter_headers
+from kvproxy.relay import Exchange, filter_headers
 from kvproxy.state import ServerState
 
 log = logging.getLogger("kvproxy.proxy")
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 STATE_KEY = web.AppKey("kvproxy_state", ServerState)
-
-
-def _style(route: Route | None) -> ErrorStyle:
-    return "sglang" if route == "generate" else "openai"
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -57,7 +53,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             log.error("internal error handling request %s: %s", rec.request_id, type(exc).__name__)
             rec.reason = "internal_error"
             resp = error_response(
-                errors.internal_error(), {"X-Request-ID": rec.request_id}, _style(route)
+                errors.internal_error(), {"X-Request-ID": rec.request_id}, errors.error_style(route)
             )
         if resp is not None:
             rec.status = resp.status
@@ -86,7 +82,7 @@ async def _handle(
     state: ServerState, request: web.Request, route: Route | None, rec: AccessRecord
 ) -> web.StreamResponse | None:
     s = state.settings
-    style = _style(route)
+    style = errors.error_style(route)
     tenant = state.tenants.resolve(request.headers)
     rec.tenant = tenant
 
@@ -164,7 +160,13 @@ async def _handle(
 
     scanner = state.canaries.scanner(tenant) if state.canaries.active else None
     exchange = Exchange(
-        state, request, rec, streaming=streaming, scanner=scanner, extra_headers=extra
+        state,
+        request,
+        rec,
+        streaming=streaming,
+        scanner=scanner,
+        extra_headers=extra,
+        style=style,
     )
     try:
         url = s.upstream + request.rel_url.raw_path_qs
