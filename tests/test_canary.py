@@ -395,7 +395,7 @@ BODY_FIELDS = {
                 "message": {"content": ""},
                 "logprobs": {"content": [_lp(MARK[:5]), _lp(MARK[5:17]), _lp(MARK[17:])]},
             }
-        ]  # fmt: skip
+        ]
     },
     "completions.text": {"choices": [{"index": 0, "text": MARK}]},
     "completions.top_logprobs.key": {

@@ -19,8 +19,9 @@ from kvproxy.output import (
 
 
 def chat_chunk(index: int = 0, **delta: object) -> bytes:
+    choice = {"index": index, "delta": delta, "finish_reason": None}
     return orjson.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m",
-                         "choices": [{"index": index, "delta": delta, "finish_reason": None}]})  # fmt: skip
+                         "choices": [choice]})  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -43,7 +44,7 @@ def chat_chunk(index: int = 0, **delta: object) -> bytes:
                 ]
             ),
             True,
-        ),  # fmt: skip
+        ),
         (chat_chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"a"'}}]), True),
         (chat_chunk(function_call={"arguments": "{"}), True),
         (chat_chunk(some_future_field="x"), True),
@@ -70,14 +71,14 @@ def chat_chunk(index: int = 0, **delta: object) -> bytes:
             b'{"id":"c","model":"m","prompt_token_ids":[1,2],"choices":[{"index":0,'
             b'"delta":{"role":"assistant"}}]}',
             False,
-        ),  # fmt: skip
+        ),
         (b'{"choices":[{"index":0,"text":""}]}', False),
         (b'{"error":{"message":"boom","code":400}}', False),
         (b'{"object":"error","message":"boom","code":400,"choices":[{"text":"x"}]}', False),
         (
             b'{"type":"response.created","response":{"status":"in_progress","instructions":"x"}}',
             False,
-        ),  # fmt: skip
+        ),
         (b'{"text":"","meta_info":{"completion_tokens":0,"id":"r","prompt_tokens":9}}', False),
         (b"[DONE]", False),
         (b"not json", False),
