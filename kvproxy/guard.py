@@ -22,9 +22,9 @@ import contextlib
 
 import orjson
 
+from kvproxy import sse
 from kvproxy.canary import CanaryHit, CanaryScanner
 from kvproxy.output import SEP, read_payload
-from kvproxy.sse import SSEParser
 
 # Comments, `event:` and `id:` lines of the stream: the client receives them too.
 OTHER_LINES_PATH = SEP + "sse"
@@ -38,7 +38,7 @@ class StreamGuard:
 
     def __init__(self, scanner: CanaryScanner | None) -> None:
         self.scanner = scanner
-        self.parser = SSEParser()
+        self.parser = sse.SSEParser(sse.DEFAULT_MAX_EVENT_BYTES)  # read now: tests lower it
         self.output_seen = False
         self.prompt_tokens: int | None = None  # from the last `usage` seen
         self.hits: list[CanaryHit] = []  # new since the last feed/finish
