@@ -42,6 +42,7 @@ must be bounded.
 from __future__ import annotations
 
 import importlib
+import operator
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -193,7 +194,7 @@ class CanaryScanner:
         self, compiled: _Compiled, streams: _Streams, paths: list[str], texts: list[str]
     ) -> CanaryHit | None:
         tails, prevs = streams.load(paths)
-        windows = [t + s for t, s in zip(tails, texts, strict=True)]
+        windows = list(map(operator.add, tails, texts))  # the lists are aligned
         keep = compiled.tail_chars
         # One search over every window of the event first: no key (and no loose marker)
         # anywhere means no marker in any window, the common case. A match across the

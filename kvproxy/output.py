@@ -90,7 +90,6 @@ class Reading:
         paths: list[str],
         texts: list[str],
         output: bool = False,
-        *,
         done: bool = False,
         error: bool = False,
         prompt_tokens: int | None = None,
@@ -103,159 +102,179 @@ class Reading:
         self.prompt_tokens = prompt_tokens
 
 
-DONE = Reading([], [], done=True)
+DONE = Reading([], [], False, True)
+_NOT_GENERATE_OUTPUT = ENVELOPE_KEYS | {"meta_info"}  # /generate's top level minus these
+_NOT_A_RECORD = 0  # where, under the top level, generated output may be
+_RECORD_KEY = 1
+_ALL_BUT_META = 2
+_ERROR = 3
 
 
-class _Walk:
-    """Collects strings while walking one decoded JSON value."""
-
-    __slots__ = ("dups", "gen", "keys", "paths", "texts")
-
-    def __init__(self, collect: bool = False) -> None:
-        self.paths: list[str] = []
-        self.texts: list[str] = []
-        self.keys: list[str] = []
-        self.dups = False
-        # (path, text) of each string that counts as generated output, when asked for.
-        self.gen: list[tuple[str, str]] | None = [] if collect else None
-
-    def string(self, path: str, text: str, counts: bool) -> bool:
-        self.paths.append(path)
-        self.texts.append(text)
-        if counts and text:
-            if self.gen is not None:
-                self.gen.append((path, text))
-            return True
-        return False
-
-    def value(self, v: Any, path: str, counts: bool) -> bool:
-        """Collect every string under `v`; True when generated output was seen (only
-        looked for while `counts`)."""
-        if isinstance(v, dict):
-            return self.mapping(v, path, counts)
-        if isinstance(v, list):
-            return self.sequence(v, path, counts)
-        if isinstance(v, str):
-            return self.string(path, v, counts)
-        return False
-
-    def mapping(self, d: dict[str, Any], path: str, counts: bool) -> bool:
-        if not d:
-            return False
-        self.keys.append("\x00".join(d))
+def read_value(obj: Any, gen: list[tuple[str, str]] | None = None) -> Reading:
+    """Every string in a decoded event or body, and whether it carries generated output.
+    `gen`, when given, receives (path, text) of each string that counts as output."""
+    if type(obj) is list:  # a /generate batch body: a list of records, read in order
+        paths: list[str] = []
+        texts: list[str] = []
         out = False
-        paths, texts = self.paths, self.texts
-        for k, v in d.items():
-            if isinstance(v, str):
-                paths.append(path + SEP + k)
-                texts.append(v)
-                if counts and v and k not in ENVELOPE_KEYS:
-                    out = True
-                    if self.gen is not None:
-                        self.gen.append((path + SEP + k, v))
-            elif isinstance(v, (dict, list)) and self.value(
-                v, path + SEP + k, counts and k not in ENVELOPE_KEYS
-            ):
+        for item in obj:
+            sub = read_value(item, gen) if type(item) is dict else _walk_one(item)
+            out = out or sub.output
+            paths.extend(SEP + "[]" + p for p in sub.paths)
+            texts.extend(sub.texts)
+        return _reading(paths, texts, [], out, True, False, None)
+    if type(obj) is not dict:
+        return _walk_one(obj)
+    # (value, path, counts) still to visit; the top level decides `counts` per key.
+    stack: list[tuple[Any, str, bool]] = []
+    paths, texts = [], []
+    keys: list[str] = list(obj)
+    kind, record = _shape(obj)
+    by_key = kind == _RECORD_KEY
+    generate = kind == _ALL_BUT_META
+    out = generate and _positive(_get(obj.get("meta_info"), "completion_tokens"))
+    for k, v in obj.items():
+        counts = (k == record) if by_key else (generate and k not in _NOT_GENERATE_OUTPUT)
+        if type(v) is str:
+            paths.append(SEP + k)
+            texts.append(v)
+            if counts and v:
                 out = True
-        return out
-
-    def sequence(self, items: list[Any], path: str, counts: bool) -> bool:
-        out = False
-        strings: list[str] | None = None
-        containers = 0
-        seq = path + SEP + "[]"
-        for item in items:
-            if isinstance(item, str):
-                if strings is None:
-                    strings = []
-                strings.append(item)
-            elif isinstance(item, dict):
-                containers += 1
-                index = item.get("index")
-                at = seq if type(index) is not int else path + SEP + "#" + str(index)
-                out = self.mapping(item, at, counts) or out
-            elif isinstance(item, list):
-                containers += 1
-                out = self.sequence(item, seq, counts) or out
-            elif counts and isinstance(item, (int, float)) and not isinstance(item, bool):
-                out = True  # token ids, logprob bytes
-        if strings and self.string(seq, "".join(strings), counts):
-            out = True
-        if containers > 1:
-            self.dups = True  # siblings share sub-paths (or repeat an index)
-        return out
-
-    def reading(
-        self, output: bool, *, error: bool = False, prompt_tokens: int | None = None
-    ) -> Reading:
-        paths, texts = self.paths, self.texts
-        if self.keys:
-            paths.append(KEYS_PATH)
-            texts.append("\x00".join(self.keys))
-        if self.dups and len(set(paths)) != len(paths):
-            merged: dict[str, list[str]] = {}
-            for p, t in zip(paths, texts, strict=True):
-                merged.setdefault(p, []).append(t)
-            paths = list(merged)
-            texts = ["".join(parts) for parts in merged.values()]
-        return Reading(paths, texts, output, error=error, prompt_tokens=prompt_tokens)
+                if gen is not None:
+                    gen.append((SEP + k, v))
+        elif type(v) is dict or type(v) is list:
+            stack.append((v, SEP + k, counts))
+    stack.reverse()  # visit in document order
+    seen, dups = _visit(stack, paths, texts, keys, gen)
+    error = kind == _ERROR
+    return _reading(paths, texts, keys, out or seen, dups, error, _prompt_tokens(obj))
 
 
-def read_value(obj: Any) -> Reading:
-    """Every string in a decoded event or body, and whether it carries generated output."""
-    w = _Walk()
-    if isinstance(obj, list):
-        out = False
-        for item in obj:  # a /generate batch body is a list of records
-            if isinstance(item, dict):
-                out = _root(w, item, SEP + "[]") or out
-            else:
-                w.value(item, SEP + "[]", False)
-        w.dups = w.dups or len(obj) > 1
-        return w.reading(out)
-    if isinstance(obj, dict):
-        out = _root(w, obj, "")
-        error = "error" in obj or obj.get("object") == "error"
-        return w.reading(out and not error, error=error, prompt_tokens=_prompt_tokens(obj))
-    w.value(obj, SEP + "$", False)
-    return w.reading(False)
+def _walk_one(obj: Any) -> Reading:
+    paths: list[str] = []
+    texts: list[str] = []
+    keys: list[str] = []
+    _, dups = _visit([(obj, SEP + "$", False)], paths, texts, keys, None)
+    return _reading(paths, texts, keys, False, dups, False, None)
 
 
-def _root(w: _Walk, obj: dict[str, Any], path: str) -> bool:
-    """Walk one top-level object; where its generation record is depends on its shape."""
+def _visit(
+    stack: list[tuple[Any, str, bool]],
+    paths: list[str],
+    texts: list[str],
+    keys: list[str],
+    gen: list[tuple[str, str]] | None,
+) -> tuple[bool, bool]:
+    """Walk what is on `stack` (depth first, in document order), collecting strings and
+    keys. Returns (generated output seen, paths may repeat)."""
+    out = False
+    dups = False
+    add_path, add_text = paths.append, texts.append
+    envelope = ENVELOPE_KEYS
+    while stack:
+        v, path, counts = stack.pop()
+        if type(v) is dict:
+            if not v:
+                continue
+            keys.extend(v)
+            prefix = path + SEP
+            first = len(stack)
+            for k, x in v.items():
+                tx = type(x)
+                if tx is str:
+                    add_path(prefix + k)
+                    add_text(x)
+                    if counts and x and k not in envelope:
+                        out = True
+                        if gen is not None:
+                            gen.append((prefix + k, x))
+                elif tx is dict or tx is list:
+                    stack.append((x, prefix + k, counts and k not in envelope))
+            if len(stack) - first > 1:
+                stack[first:] = reversed(stack[first:])  # pop in document order
+        elif type(v) is list:
+            seq = path + SEP + "[]"
+            strings: list[str] | None = None
+            children: list[tuple[Any, str, bool]] | None = None
+            for item in v:
+                ti = type(item)
+                if ti is str:
+                    if strings is None:
+                        strings = []
+                    strings.append(item)
+                elif ti is dict:
+                    index = item.get("index")
+                    at = path + SEP + "#" + str(index) if type(index) is int else seq
+                    if children is None:
+                        children = []
+                    children.append((item, at, counts))
+                elif ti is list:
+                    if children is None:
+                        children = []
+                    children.append((item, seq, counts))
+                elif counts and (ti is int or ti is float):
+                    out = True  # token ids, logprob bytes
+            if strings:
+                joined = "".join(strings)
+                add_path(seq)
+                add_text(joined)
+                if counts and joined:
+                    out = True
+                    if gen is not None:
+                        gen.append((seq, joined))
+            if children is not None:
+                # Siblings share sub-paths (or repeat an index): they may need joining.
+                dups = dups or len(children) > 1
+                children.reverse()
+                stack.extend(children)
+        elif type(v) is str:
+            add_path(path)
+            add_text(v)
+            if counts and v:
+                out = True
+                if gen is not None:
+                    gen.append((path, v))
+    return out, dups
+
+
+def _reading(
+    paths: list[str],
+    texts: list[str],
+    keys: list[str],
+    out: bool,
+    dups: bool,
+    error: bool,
+    prompt_tokens: int | None,
+) -> Reading:
+    if keys:
+        paths.append(KEYS_PATH)
+        texts.append("\x00".join(keys))
+    if dups and len(set(paths)) != len(paths):
+        merged: dict[str, list[str]] = {}
+        for p, t in zip(paths, texts, strict=True):
+            merged.setdefault(p, []).append(t)
+        paths = list(merged)
+        texts = ["".join(parts) for parts in merged.values()]
+    return Reading(paths, texts, out and not error, False, error, prompt_tokens)
+
+
+def _shape(obj: dict[str, Any]) -> tuple[int, str]:
+    """Where a top-level object's generation record is."""
     if "error" in obj or obj.get("object") == "error":
-        w.mapping(obj, path, False)
-        return False
-    if isinstance(obj.get("choices"), list):  # chat / completions (vLLM /generate too)
-        record: str | None = "choices"
-    elif "meta_info" in obj or "text" in obj or "output_ids" in obj:  # SGLang /generate
-        meta = obj.get("meta_info")
-        counted = isinstance(meta, dict) and _positive(meta.get("completion_tokens"))
-        return _walk_except(w, obj, path, ("meta_info",)) or counted
-    elif isinstance(obj.get("type"), str) and obj["type"].endswith("delta"):
-        record = "delta"  # Responses `response.*.delta`, Messages `content_block_delta`
-    else:
-        record = ""
-    out = False
-    w.keys.append("\x00".join(obj))
-    for k, v in obj.items():
-        if isinstance(v, str):
-            out = w.string(path + SEP + k, v, k == record) or out
-        elif isinstance(v, (dict, list)):
-            out = w.value(v, path + SEP + k, k == record) or out
-    return out
+        return _ERROR, ""
+    if type(obj.get("choices")) is list:  # chat / completions (vLLM's /generate too)
+        return _RECORD_KEY, "choices"
+    if "meta_info" in obj or "text" in obj or "output_ids" in obj:  # SGLang /generate
+        return _ALL_BUT_META, ""
+    kind = obj.get("type")
+    if type(kind) is str and kind.endswith("delta"):
+        # Responses `response.*.delta`, Messages `content_block_delta`
+        return _RECORD_KEY, "delta"
+    return _NOT_A_RECORD, ""
 
 
-def _walk_except(w: _Walk, obj: dict[str, Any], path: str, excluded: tuple[str, ...]) -> bool:
-    out = False
-    w.keys.append("\x00".join(obj))
-    for k, v in obj.items():
-        counts = k not in excluded and k not in ENVELOPE_KEYS
-        if isinstance(v, str):
-            out = w.string(path + SEP + k, v, counts) or out
-        elif isinstance(v, (dict, list)):
-            out = w.value(v, path + SEP + k, counts) or out
-    return out
+def _get(d: Any, key: str) -> Any:
+    return d.get(key) if type(d) is dict else None
 
 
 def _positive(v: Any) -> bool:
@@ -263,12 +282,8 @@ def _positive(v: Any) -> bool:
 
 
 def _prompt_tokens(obj: dict[str, Any]) -> int | None:
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        n = usage.get("prompt_tokens")
-        if type(n) is int:
-            return n
-    return None
+    n = _get(obj.get("usage"), "prompt_tokens")
+    return n if type(n) is int else None
 
 
 # --- bytes in ------------------------------------------------------------------------------
@@ -366,11 +381,11 @@ def _generated(obj: Any) -> list[tuple[int, str]]:
     """The generated-output strings of one decoded event, with their choice index."""
     if not isinstance(obj, dict):
         return []
-    w = _Walk(collect=True)
-    _root(w, obj, "")
-    assert w.gen is not None
+    gen: list[tuple[str, str]] = []
+    if read_value(obj, gen).error:
+        return []
     out: list[tuple[int, str]] = []
-    for path, text in w.gen:
+    for path, text in gen:
         index = obj["index"] if type(obj.get("index")) is int else 0
         if path.startswith(_CHOICE):
             digits = path[len(_CHOICE) :].split(SEP, 1)[0]

@@ -305,6 +305,10 @@ class Exchange:
                 self.machine.handle(drain.UpstreamEOF(now=now))
                 return await self._finish(up, buffering)
             got_first = True
+            # A token already reached a present client: the machine is STREAMING and every
+            # chunk maps to Forward without changing it (drain.py's table), so the hot path
+            # skips building and dispatching the event; a disconnect brings it back.
+            steady = self.token_seen and not self.gone_seen
             try:
                 chunk, has_token = self._inspect(chunk)
             except SSEError:
@@ -317,11 +321,12 @@ class Exchange:
                 self._observe_ttft(now - t_sent)
             if self.guard is not None and self._report(self.guard.hits):
                 return await self._block(up)
-            decision = self.machine.handle(drain.UpstreamChunk(now=now, has_token=has_token))
-            if isinstance(decision, drain.CloseUpstream):
-                return None
-            if isinstance(decision, drain.Discard):
-                continue
+            if not steady:
+                decision = self.machine.handle(drain.UpstreamChunk(now=now, has_token=has_token))
+                if isinstance(decision, drain.CloseUpstream):
+                    return None
+                if isinstance(decision, drain.Discard):
+                    continue
             if buffering:
                 self.kept += chunk
                 if len(self.kept) > KEEP_BODY_BYTES * 8:

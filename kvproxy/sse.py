@@ -13,6 +13,7 @@ larger than `max_event_bytes` is an error, not unbounded memory).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # One event is one token's worth of JSON in practice (< 4 KiB); a non-streamed-style body
 # sent as a single event can be large (n choices x long outputs). 16 MiB bounds memory while
@@ -25,8 +26,7 @@ class SSEError(ValueError):
     """The stream cannot be parsed within bounds (an event exceeded `max_event_bytes`)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Framed:
+class Framed(NamedTuple):  # a tuple: built once per chunk on the hot path
     """What one chunk completed: the `data` payloads, the other lines (comments and
     non-data fields, without their line end), and `forward`, the bytes of the complete
     events (line endings normalised to \\n) in order; an incomplete event stays held."""
