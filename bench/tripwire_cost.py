@@ -33,6 +33,7 @@ from payloads import sse_event
 
 from kvproxy.canary import CanaryRules, CanaryScanner
 from kvproxy.config import CanaryTenant
+from kvproxy.drain import DrainMachine, UpstreamChunk, UpstreamHeaders
 
 TENANTS = ("acme", "globex")  # as bench/targets.py configures the full-policy kvproxy
 NEW = importlib.util.find_spec("kvproxy.guard") is not None
@@ -131,7 +132,12 @@ def _old_pipeline(scanner: CanaryScanner | None) -> Callable[[bytes], bool]:
     return feed
 
 
-def per_chunk_us(chunks: list[bytes], scanned: bool, streams: int, repeat: int) -> float:
+def per_chunk_us(
+    chunks: list[bytes], scanned: bool, streams: int, repeat: int, with_drain: bool = False
+) -> float:
+    """Best CPU microseconds per chunk; `with_drain` adds the relay's drain-machine event
+    per chunk (the old relay sent one for every chunk, the new one stops once a token
+    reached a present client)."""
     rules = _rules()
     make = _new_pipeline if NEW else _old_pipeline
     best = float("inf")
@@ -139,8 +145,14 @@ def per_chunk_us(chunks: list[bytes], scanned: bool, streams: int, repeat: int) 
         t0 = time.process_time()
         for _ in range(streams):
             feed = make(rules.scanner("acme") if scanned else None)
+            machine = DrainMachine(streaming=True, until="first_token", timeout_s=300)
+            machine.handle(UpstreamHeaders(now=0.0))
+            steady = False
             for c in chunks:
-                feed(c)
+                output = feed(c)
+                if with_drain and not steady:
+                    machine.handle(UpstreamChunk(now=1.0, has_token=output))
+                    steady = NEW and (output or steady)
         best = min(best, (time.process_time() - t0) / (streams * len(chunks)) * 1e6)
     return best
 
@@ -151,12 +163,17 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=200)
     args = ap.parse_args()
     print(f"pipeline: {'StreamGuard (every string)' if NEW else 'pre-#15 (three fields)'}")
-    print(f"{'workload':36} {'scanned us/chunk':>17} {'no canaries':>12}")
+    print(
+        f"{'CPU us per chunk':36} {'scanned':>9} {'+ drain':>9} {'no canaries':>12} {'+ drain':>9}"
+    )
     for name, chunks in workloads().items():
         streams = max(1, args.streams * 64 // len(chunks))
-        scanned = per_chunk_us(chunks, True, streams, args.repeat)
-        bare = per_chunk_us(chunks, False, streams, args.repeat)
-        print(f"{name:36} {scanned:17.2f} {bare:12.2f}")
+        row = [
+            per_chunk_us(chunks, scanned, streams, args.repeat, with_drain)
+            for scanned in (True, False)
+            for with_drain in (False, True)
+        ]
+        print(f"{name:36} {row[0]:9.2f} {row[1]:9.2f} {row[2]:12.2f} {row[3]:9.2f}")
 
 
 if __name__ == "__main__":
