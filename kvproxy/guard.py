@@ -4,9 +4,10 @@ it carries generated output, and which foreign markers it held.
 `StreamGuard.feed(chunk)` frames the event stream (`sse.SSEParser`), reads each whole
 event once (`output.read_payload`: every string with its path, and whether it is
 generated output), feeds the strings to the canary scanner, and returns the bytes of the
-events the chunk completed. Only whole, scanned events are forwarded: an event cut across
-reads is held until its end arrives, so a marker can never reach the client in the first
-half of an event whose second half would have been withheld. The relay (`relay.py`) owns
+events the chunk completed. While a scanner is active only whole, scanned events are
+forwarded: an event cut across reads is held until its end arrives, so a marker can never
+reach the client in the first half of an event whose second half would have been
+withheld. Without one, chunks go on as they came. The relay (`relay.py`) owns
 the sockets, the drain machine and the metrics; this module owns none of them.
 
 Cost: one JSON decode and one walk per event while a scanner is active or no output has
@@ -68,14 +69,18 @@ class StreamGuard:
             hit = scanner.feed([OTHER_LINES_PATH], [lines])
             if hit is not None:
                 self.hits.append(hit)
-        return framed.forward, output
+        # Nothing to withhold without a scanner: the bytes go on as they came (a stream
+        # that never ends an event is relayed as before, not held).
+        return (framed.forward if scanner is not None else chunk), output
 
     def finish(self) -> bytes:
         """At EOF: the bytes of an event the stream ended inside (scanned like a body, as
         a client that shows raw text would see them), to forward unless they hit."""
-        rest = self.parser.take_pending()
         self.hits = []
-        if rest and self.scanner is not None:
+        if self.scanner is None:
+            return b""  # already forwarded as they came
+        rest = self.parser.take_pending()
+        if rest:
             hit = self.scanner.scan_body(rest)
             if hit is not None:
                 self.hits.append(hit)
