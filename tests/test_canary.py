@@ -454,3 +454,44 @@ def test_patterns_that_look_past_the_match_are_refused() -> None:
     for pattern in ("KVCANARY-[0-9]{8}$", r"\bKVCANARY-[0-9]{8}", "KVC(?=A)ANARY-[0-9]{4}"):
         with pytest.raises(ConfigError, match="anchor or lookaround"):
             CanaryRules.from_tenants([CanaryTenant(tenant="acme", patterns=(pattern,))])
+
+
+_KEY = st.text(alphabet=string.ascii_letters + "_", min_size=1, max_size=8)
+# One step down: a key of an object (with siblings), a one-element list, or a list of
+# records numbered by `index` (the choices / tool_calls shape).
+_STEP = st.one_of(
+    st.tuples(st.just("key"), _KEY, st.dictionaries(_KEY, st.integers() | st.none(), max_size=2)),
+    st.tuples(st.just("list"), st.just(""), st.just({})),
+    st.tuples(st.just("indexed"), st.integers(0, 3).map(str), st.just({})),
+)
+
+
+def _build(steps: list[tuple[str, str, dict[str, object]]], leaf: str) -> object:
+    value: object = leaf
+    for kind, name, siblings in reversed(steps):
+        if kind == "key":
+            value = {**{k: v for k, v in siblings.items() if k != name}, name: value}
+        elif kind == "list":
+            value = [value]
+        else:
+            value = [{"index": int(name), "v": value}]
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(_STEP, min_size=1, max_size=6),
+    cut=st.integers(1, len(MARK) - 1),
+    escape=st.booleans(),
+)
+def test_a_marker_anywhere_in_any_shape_split_across_events_is_found(
+    steps: list[tuple[str, str, dict[str, object]]], cut: int, escape: bool
+) -> None:
+    """Whatever key or nesting carries it, and written with escapes or not."""
+    a, b = MARK[:cut], MARK[cut:]
+    first, second = _build(steps, "x " + a), _build(steps, b + " y")
+    stream = [
+        b"data: " + (_escaped(first, a) if escape else orjson.dumps(first)) + b"\n\n",
+        b"data: " + orjson.dumps(second) + b"\n\n",
+    ]
+    assert scan_stream(rules().scanner("bob"), stream) == [CanaryHit("acme", "acme#2")]
