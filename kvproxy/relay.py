@@ -334,10 +334,22 @@ class Exchange:
                     too_big = errors.upstream_bad_response("response too large to scan")
                     return await self._block(up, too_big)
                 continue
-            if len(self.kept) < KEEP_BODY_BYTES and not is_sse:
+            if not is_sse and len(self.kept) < self._keep_limit():
+                # Observe mode relays as it reads, but the tripwire still reads the whole
+                # body (to the same bound block mode holds), not only its first 8 MiB.
                 self.kept += chunk
+                if len(self.kept) >= self._keep_limit() and self.scanner is not None:
+                    log_event(
+                        log,
+                        logging.WARNING,
+                        "response too large to scan for canaries: the rest is not scanned",
+                        request_id=self.record.request_id,
+                    )
             if chunk and not await self._write(up, chunk):
                 return None
+
+    def _keep_limit(self) -> int:
+        return KEEP_BODY_BYTES * 8 if self.scanner is not None else KEEP_BODY_BYTES
 
     async def _write(self, up: aiohttp.ClientResponse, chunk: bytes) -> bool:
         """Relay one chunk; False when the upstream must now be closed (client gone at a

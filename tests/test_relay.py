@@ -311,3 +311,23 @@ async def test_generate_scan_overflows_answer_in_sglang_shape(
         hung_up.set()
     assert status in (200, 502)
     sglang_shaped(orjson.dumps(ended_with(status, body)), "upstream_bad_response")
+
+
+async def test_observe_mode_scans_a_body_past_its_first_megabytes(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 256 KiB stands for the 8 MiB usage buffer; a 1 MiB body arrives in several reads.
+    monkeypatch.setattr(relay, "KEEP_BODY_BYTES", 256 * 1024)
+    body = orjson.dumps({"choices": [{"index": 0, "text": "x" * 2**20 + " " + FOREIGN}]})
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=body, content_type="application/json")
+
+    upstream.route("POST", "/v1/completions", handler)
+    await upstream.start()
+    settings = {**canary_settings(), "canary_action": "observe"}
+    async with running_proxy(upstream.url, **settings) as proxy:
+        req = orjson.dumps({"model": "m", "prompt": "hi"})
+        async with http.post(proxy.public_url + "/v1/completions", data=req, headers=B_TENANT) as r:
+            assert await r.read() == body  # observe: relayed as it came
+        assert proxy.metrics.canary_violations.labels("canary-b")._value.get() == 1
