@@ -460,7 +460,11 @@ _KEY = st.text(alphabet=string.ascii_letters + "_", min_size=1, max_size=8)
 # One step down: a key of an object (with siblings), a one-element list, or a list of
 # records numbered by `index` (the choices / tool_calls shape).
 _STEP = st.one_of(
-    st.tuples(st.just("key"), _KEY, st.dictionaries(_KEY, st.integers() | st.none(), max_size=2)),
+    st.tuples(
+        st.just("key"),
+        _KEY,
+        st.dictionaries(_KEY, st.integers(-(2**63), 2**63 - 1) | st.none(), max_size=2),
+    ),
     st.tuples(st.just("list"), st.just(""), st.just({})),
     st.tuples(st.just("indexed"), st.integers(0, 3).map(str), st.just({})),
 )
