@@ -488,7 +488,7 @@ HEALTH = Row(
         Panel(
             "Upstream time to first byte (s)",
             "timeseries",
-            "From forwarding to the first upstream body byte: prefill time of long prompts.",
+            "From forwarding to the first generated output of a stream (any field), or the first body byte otherwise: prefill time of long prompts.",
             quantiles("kvproxy_upstream_ttft_seconds", "", (0.5, 0.9, 0.99), ""),
             unit="s",
         ),

@@ -5,10 +5,20 @@ bounded regular expressions) into one combined regex per requesting tenant, and 
 response text for the markers of every *other* tenant. A request whose tenant is unknown,
 or has no markers of its own, treats every registered marker as foreign.
 
-Scanning is incremental: `CanaryScanner.feed_text(index, text)` keeps, per choice index, a
-tail of (longest marker - 1) characters so a marker split across chunks matches at every
-offset, and each call searches at most `len(text) + tail` characters, so the cost per chunk
-does not grow with the response. `scan_body` does the same for a whole non-streamed body.
+What is scanned: every string the client receives, as `kvproxy.output` reads it from
+each event and body (values at any depth and object keys, JSON escapes resolved, raw text
+when it is not JSON), whatever key it sits under. Scanning is incremental:
+`CanaryScanner.feed(paths, texts)` keeps, per path (per choice and per field), a tail of
+(longest marker - 1) characters so a marker split across events matches at every offset,
+and each string costs at most `len(text) + tail` characters of search, so the cost per
+event does not grow with the response. `scan_body` does the same for a whole body.
+
+Why no raw-bytes prefilter: a marker can reach the client written as JSON escapes
+(`\\u004bVCANARY...`) or split over events, and no test on the undecoded bytes of one
+event can rule both out. The prefilter here runs on decoded text: the windows (tail +
+string) of one event are joined and searched once for any key; only an event where one
+occurs is searched window by window. That is exact, not a heuristic: a match inside a
+window is a match inside the joined text.
 
 Why not one big alternation regex: Python's `re` tries every alternative at every position,
 so the cost grows with the number of markers (measured: ~35 us per 6-character chunk at 20
@@ -17,27 +27,29 @@ tenants, ~560 us at 100). Instead every marker with a literal prefix of >= 3 cha
 one search for the distinct 3-character keys of those prefixes, and only the markers behind
 a key that occurs are checked there; ordinary text rarely contains a key, so a chunk costs
 about one C-level search. Patterns without such a prefix share one combined regex.
-Patterns should not rely on lookaround at their edges: text is seen through a window.
+Patterns with anchors or lookaround are refused: text is seen through windows.
 
 What a hit carries: the owner tenant and a stable marker id (`<tenant>#<n>`, n counting the
 tenant's literal markers first, then its patterns, from 1), never the matched text or the
 text around it (I8). The relay counts `kvproxy_canary_violations_total{tenant}` and, with
 `canary_action: block`, cuts the stream or replaces the body with a 502.
 
-Must never: do I/O, log, or hold more than one tail per choice index. A pattern that can
-match unboundedly long text (or empty text) is refused at start: the tail must be bounded.
+Must never: do I/O, log, or hold more than one tail and one previous string per path. A
+pattern that can match unboundedly long text (or empty text) is refused at start: the tail
+must be bounded.
 """
 
 from __future__ import annotations
 
 import importlib
+import operator
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvproxy.config import CanaryTenant, ConfigError, Settings
-from kvproxy.sse import body_texts
+from kvproxy.output import SEP, read_body
 from kvproxy.tenants import sanitize_tenant
 
 # Longest text one marker may match: the per-index tail is this minus one.
@@ -54,7 +66,11 @@ KEY_CHARS = 3
 # Typeshed has no stubs for re's parser; it is the only way to know a pattern's width and
 # literal prefix.
 _re_parser: Any = importlib.import_module("re._parser")
-_LITERAL: Any = importlib.import_module("re._constants").LITERAL
+_constants: Any = importlib.import_module("re._constants")
+_LITERAL: Any = _constants.LITERAL
+# ^ $ \b \A \Z and lookaround: they look past the match, and the scanner sees text through
+# windows (a tail, one string of an event), so their answer would depend on the framing.
+_EDGE_OPS: tuple[Any, ...] = (_constants.AT, _constants.ASSERT, _constants.ASSERT_NOT)
 
 CanaryAction = Literal["block", "observe"]
 
@@ -92,15 +108,51 @@ class _Compiled:
     tail_chars: int
 
 
+class _Streams:
+    """The rolling tail and the previous string of every path of one response.
+
+    The paths of consecutive events are nearly always the same list (one token delta
+    after another), so the state of the last event's paths is kept as two lists aligned
+    with them (`paths`, `tails`, `prevs`) and a whole event is handled with list-wide
+    operations; only when the paths change does the state go through the per-path dicts.
+    """
+
+    __slots__ = ("cold_prevs", "cold_tails", "paths", "prevs", "tails")
+
+    def __init__(self) -> None:
+        self.paths: list[str] | None = None
+        self.tails: list[str] = []
+        self.prevs: list[str] = []
+        self.cold_tails: dict[str, str] = {}
+        self.cold_prevs: dict[str, str] = {}
+
+    def load(self, paths: list[str]) -> tuple[list[str], list[str]]:
+        if paths == self.paths:
+            return self.tails, self.prevs
+        if self.paths is not None:
+            self.cold_tails.update(zip(self.paths, self.tails, strict=True))
+            self.cold_prevs.update(zip(self.paths, self.prevs, strict=True))
+        tails, prevs = self.cold_tails, self.cold_prevs
+        return [tails.get(p, "") for p in paths], [prevs.get(p, "") for p in paths]
+
+    def store(self, paths: list[str], tails: list[str], prevs: list[str]) -> None:
+        self.paths, self.tails, self.prevs = paths, tails, prevs
+
+    def tail(self, path: str) -> str:
+        if self.paths is not None and path in self.paths:
+            return self.tails[self.paths.index(path)]
+        return self.cold_tails.get(path, "")
+
+
 class CanaryScanner:
     """Scans one response for foreign markers. One per response; not thread-safe."""
 
-    __slots__ = ("_compiled", "_tails", "hit_count", "hits", "tenant")
+    __slots__ = ("_compiled", "_streams", "hit_count", "hits", "tenant")
 
     def __init__(self, compiled: _Compiled | None, tenant: str | None) -> None:
         self._compiled = compiled
         self.tenant = tenant
-        self._tails: dict[int, str] = {}
+        self._streams = _Streams()
         self.hits: list[CanaryHit] = []
         self.hit_count = 0
 
@@ -109,44 +161,86 @@ class CanaryScanner:
         """False when there is no foreign marker to look for."""
         return self._compiled is not None
 
-    def feed_text(self, index: int, text: str) -> CanaryHit | None:
-        """Scan the next piece of generated text of choice `index`; the first hit in it."""
+    def feed(self, paths: list[str], texts: list[str]) -> CanaryHit | None:
+        """Scan one event's strings, each continuing the text seen before at its path
+        (`kvproxy.output.Reading`); the first new hit."""
         compiled = self._compiled
-        if compiled is None or not text:
+        if compiled is None or not texts:
             return None
-        tail = self._tails.get(index)
-        window = tail + text if tail else text
-        first, end = self._search(compiled, window)
-        keep_from = max(end, len(window) - compiled.tail_chars)
-        self._tails[index] = window[keep_from:] if compiled.tail_chars else ""
-        return first
+        return self._feed(compiled, self._streams, paths, texts)
+
+    def feed_text(self, index: int, text: str) -> CanaryHit | None:
+        """Scan the next piece of text of choice `index` (one path per index)."""
+        return self.feed([f"{SEP}#{index}"], [text])
 
     def scan_body(self, body: bytes) -> CanaryHit | None:
-        """Scan a whole non-streamed body (each generated string on its own)."""
+        """Scan a whole non-streamed body: every string in it (`output.read_body`)."""
         compiled = self._compiled
         if compiled is None:
             return None
+        streams = _Streams()
         first: CanaryHit | None = None
-        for text in body_texts(body):
-            hit, _ = self._search(compiled, text)
-            first = first or hit
+        for reading in read_body(body):
+            if reading.texts:
+                hit = self._feed(compiled, streams, reading.paths, reading.texts)
+                first = first or hit
         return first
 
-    def _search(self, compiled: _Compiled, text: str) -> tuple[CanaryHit | None, int]:
-        """Every non-overlapping marker match in `text`, leftmost first; returns the first
-        hit and where the last one ended."""
-        found = _find(compiled, text)
+    def tail_of(self, index: int) -> str:
+        """The tail kept for choice `index` of `feed_text` (for tests of its bound)."""
+        return self._streams.tail(f"{SEP}#{index}")
+
+    def _feed(
+        self, compiled: _Compiled, streams: _Streams, paths: list[str], texts: list[str]
+    ) -> CanaryHit | None:
+        tails, prevs = streams.load(paths)
+        windows = list(map(operator.add, tails, texts))  # the lists are aligned
+        keep = compiled.tail_chars
+        # One search over every window of the event first: no key (and no loose marker)
+        # anywhere means no marker in any window, the common case. A match across the
+        # separator is possible only as a false alarm, and that just takes the exact path.
+        joined = "\x00".join(windows) if len(windows) > 1 else windows[0]
+        if (compiled.keys is None or compiled.keys.search(joined) is None) and (
+            compiled.loose is None or compiled.loose.search(joined) is None
+        ):
+            streams.store(paths, [w[-keep:] for w in windows], texts)
+            return None
+        first: CanaryHit | None = None
+        new_tails = []
+        for window, tail, prev, text in zip(windows, tails, prevs, texts, strict=True):
+            hit, keep_from = self._search(compiled, window, len(tail), prev, text)
+            first = first or hit
+            new_tails.append(window[max(keep_from, len(window) - keep) :])
+        streams.store(paths, new_tails, texts)
+        return first
+
+    def _search(
+        self, compiled: _Compiled, window: str, tail_len: int, prev: str, text: str
+    ) -> tuple[CanaryHit | None, int]:
+        """Every non-overlapping marker match in `window` (tail + text), leftmost first;
+        returns the first new hit and where the last match ended.
+
+        A match inside the part of `text` that repeats the previous string at this path
+        (SGLang's cumulative `/generate` text) was counted when that string was scanned:
+        it is not counted again. The repeat is still scanned, so a stream read as
+        incremental (the same text twice in a row) cannot hide a marker at the seam."""
+        found = _find(compiled, window)
+        if not found:
+            return None, 0
+        repeat_end = tail_len + len(prev) if prev and text.startswith(prev) else -1
         first: CanaryHit | None = None
         end = 0
         for start, stop, marker in found:
             if start < end:
                 continue  # overlaps a match already counted
+            end = stop
+            if start >= tail_len and stop <= repeat_end:
+                continue  # seen in the previous string at this path
             hit = CanaryHit(owner_tenant=marker.owner, marker_id=marker.marker_id)
             self.hit_count += 1
             if len(self.hits) < MAX_KEPT_HITS:
                 self.hits.append(hit)
             first = first or hit
-            end = stop
         return first, end
 
 
@@ -249,6 +343,11 @@ def _pattern(owner: str, marker_id: str, pattern: str) -> _Marker:
         lo, hi = parsed.getwidth()
     except re.error as exc:
         raise ConfigError(f"{where} is not a valid regular expression: {exc}") from None
+    if _looks_past_match(parsed):
+        raise ConfigError(
+            f"{where} uses an anchor or lookaround (^ $ \\b \\A \\Z (?= (?! (?<= (?<!): "
+            "responses are scanned through windows, so only the marker's own text may decide"
+        )
     if hi > MAX_MARKER_CHARS:
         raise ConfigError(
             f"{where} can match unboundedly long text (longest match must be <= "
@@ -260,6 +359,17 @@ def _pattern(owner: str, marker_id: str, pattern: str) -> _Marker:
             f"(shortest match {lo}); it would fire on ordinary replies"
         )
     return _Marker(owner, marker_id, pattern, int(hi), _literal_prefix(parsed), literal=False)
+
+
+def _looks_past_match(node: Any) -> bool:
+    """Whether a parsed pattern holds an anchor or a lookaround anywhere."""
+    if isinstance(node, _re_parser.SubPattern):
+        return any(_looks_past_match(item) for item in node.data)
+    if isinstance(node, (tuple, list)):
+        if node and any(node[0] is op for op in _EDGE_OPS):
+            return True
+        return any(_looks_past_match(x) for x in node)
+    return False
 
 
 def _literal_prefix(parsed: Any) -> str:

@@ -23,7 +23,10 @@ Tree of what a request can end in, besides a relayed upstream response:
         └── canary_violation          502   canary_violation
 
 Bodies follow OpenAI's `{"error": {...}}` shape for `/v1/*` and SGLang's flat shape for
-`/generate`. Messages never quote prompt or completion text (I8).
+`/generate`, on every path (rejections, upstream failures, a canary block, an error event
+that ends a stream). `error_style(route)` is the one place that decides, from
+`STYLE_BY_ROUTE`; a route not listed gets OpenAI's shape. Messages never quote prompt or
+completion text (I8).
 """
 
 from __future__ import annotations
@@ -34,8 +37,24 @@ from typing import Any, Literal
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 ErrorStyle = Literal["openai", "sglang"]
+# The error shape a client of each route expects; a new route whose clients expect another
+# shape adds itself here (and its body builder to `KvproxyError.body`).
+# SGLang's native routes answer in its flat error shape; everything else (the OpenAI routes,
+# and /v1/messages, where smg answers in the same OpenAI shape) gets OpenAI's.
+STYLE_BY_ROUTE: dict[str, ErrorStyle] = {
+    "generate": "sglang",
+    "encode": "sglang",
+    "native_classify": "sglang",
+}
+
+
+def error_style(route: str | None) -> ErrorStyle:
+    """The error shape for a request on `route` (None: not an inference route)."""
+    return STYLE_BY_ROUTE.get(route or "", "openai")
+
 
 REJECTION_REASONS = (
     "context_length",
@@ -109,9 +128,27 @@ def sglang_error_body(
     return orjson.dumps(body)
 
 
-def sse_error_event(err: KvproxyError) -> bytes:
-    """An error event to end a stream that already sent headers (canary block, upstream cut)."""
-    return b"data: " + err.body("openai") + b"\n\ndata: [DONE]\n\n"
+def sse_error_event(err: KvproxyError, style: ErrorStyle) -> bytes:
+    """An error event to end a stream that already sent headers (canary block, upstream cut).
+    The relay forwards whole events only, so the client's stream is at an event boundary."""
+    return b"data: " + err.body(style) + b"\n\ndata: [DONE]\n\n"
+
+
+def error_response(
+    err: KvproxyError, extra_headers: dict[str, str] | None, style: ErrorStyle
+) -> web.Response:
+    """The response for an outcome kvproxy answers itself, in the route's `style` (no
+    default: every caller says which, from `error_style`)."""
+    headers = dict(extra_headers or {})
+    headers.update(err.headers)
+    resp = web.Response(
+        status=err.status, body=err.body(style), content_type="application/json", headers=headers
+    )
+    if headers.get("Connection", "").lower() == "close":
+        # The header alone does not make aiohttp close: it would keep the connection and,
+        # after a 408, linger up to 10 s reading the rest of a slow client's body.
+        resp.force_close()
+    return resp
 
 
 # --- constructors: the one definition of each outcome ------------------------------------

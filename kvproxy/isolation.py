@@ -30,7 +30,8 @@ import aiohttp
 import orjson
 
 from kvproxy import __version__
-from kvproxy.sse import SSEParser, body_texts, token_texts
+from kvproxy.output import body_texts, token_texts
+from kvproxy.sse import SSEParser
 
 SCENARIOS = ("normal_long", "boundary", "cancel", "transfer_failure")
 MARKER_RE = re.compile(r"KVCANARY-([a-z0-9]+(?:-[a-z0-9]+)*?)-([0-9a-f]{16})")

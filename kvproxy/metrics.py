@@ -60,7 +60,8 @@ class Metrics:
         )
         self.upstream_ttft = Histogram(
             "kvproxy_upstream_ttft_seconds",
-            "Time from forwarding a request to the first upstream body byte.",
+            "Time from forwarding a request to its first generated output (event streams, whatever "
+            "field carries it) or to the first body byte (anything else).",
             buckets=LONG_SECONDS,
             registry=r,
         )

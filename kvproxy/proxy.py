@@ -27,10 +27,10 @@ from kvproxy import admission, errors
 from kvproxy.body import content_coding, decode, forwarded_headers, read_raw
 from kvproxy.budget import charge_tokens
 from kvproxy.clamp import clamp_output
-from kvproxy.errors import ErrorStyle, KvproxyError
+from kvproxy.errors import ErrorStyle, KvproxyError, error_response
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
 from kvproxy.prompt import PromptShape, Route, parse_request
-from kvproxy.relay import Exchange, error_response, filter_headers
+from kvproxy.relay import Exchange, filter_headers
 from kvproxy.routes import RouteMatch, route_table
 from kvproxy.state import ServerState
 
@@ -38,15 +38,6 @@ log = logging.getLogger("kvproxy.proxy")
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 STATE_KEY = web.AppKey("kvproxy_state", ServerState)
-
-
-# SGLang's native routes answer in its flat error shape; everything else (the OpenAI routes,
-# and /v1/messages, where smg answers in the same OpenAI shape) gets OpenAI's.
-_SGLANG_STYLE: frozenset[Route | None] = frozenset({"generate", "encode", "native_classify"})
-
-
-def _style(route: Route | None) -> ErrorStyle:
-    return "sglang" if route in _SGLANG_STYLE else "openai"
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -73,7 +64,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             log.error("internal error handling request %s: %s", rec.request_id, type(exc).__name__)
             rec.reason = "internal_error"
             resp = error_response(
-                errors.internal_error(), {"X-Request-ID": rec.request_id}, _style(route)
+                errors.internal_error(), {"X-Request-ID": rec.request_id}, errors.error_style(route)
             )
         if resp is not None:
             rec.status = resp.status
@@ -103,7 +94,7 @@ async def _handle(
 ) -> web.StreamResponse | None:
     s = state.settings
     route = match.route
-    style = _style(route)
+    style = errors.error_style(route)
     tenant = state.tenants.resolve(request.headers)
     rec.tenant = tenant
 
@@ -202,7 +193,13 @@ async def _handle(
 
     scanner = state.canaries.scanner(tenant) if state.canaries.active else None
     exchange = Exchange(
-        state, request, rec, streaming=streaming, scanner=scanner, extra_headers=extra
+        state,
+        request,
+        rec,
+        streaming=streaming,
+        scanner=scanner,
+        extra_headers=extra,
+        style=style,
     )
     try:
         url = s.upstream + request.rel_url.raw_path_qs

@@ -3,8 +3,10 @@ drain state machine when the client leaves.
 
 The policy lives in `drain.DrainMachine` (sans-IO); this module only feeds it events
 (headers, chunks, EOF, errors, client gone, deadline, shutdown) and executes its decisions.
-It also runs the per-chunk guards that need the response bytes: the canary tripwire and the
-token-count drift check. It never logs or stores response text beyond what those guards
+The per-chunk guards that need the response bytes (the canary tripwire, first-output
+detection, `usage`) live in `guard.StreamGuard`; this module forwards what it allows, only
+whole scanned events. Every error body it builds has the request's `style` (the route's,
+`errors.error_style`). It never logs or stores response text beyond what those guards
 need for one response (I8).
 
 Why the two read paths: racing every read against the disconnect watcher costs a task per
@@ -23,15 +25,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvproxy import drain, errors
-from kvproxy.canary import CanaryScanner
-from kvproxy.errors import KvproxyError
+from kvproxy.canary import CanaryHit, CanaryScanner
+from kvproxy.errors import ErrorStyle, KvproxyError
+from kvproxy.guard import StreamGuard
 from kvproxy.logs import AccessRecord, log_event
-from kvproxy.sse import SSEError, SSEParser, StreamTexts
+from kvproxy.output import read_payload
+from kvproxy.sse import SSEError
 from kvproxy.state import ServerState
 
 log = logging.getLogger("kvproxy.relay")
@@ -98,8 +101,10 @@ class Exchange:
         streaming: bool,
         scanner: CanaryScanner | None,
         extra_headers: dict[str, str],
+        style: ErrorStyle,
     ) -> None:
         self.state = state
+        self.style: ErrorStyle = style
         self.request = request
         self.record = record
         self.scanner = scanner
@@ -115,8 +120,7 @@ class Exchange:
         self.upstream: aiohttp.ClientResponse | None = None
         self.client: web.StreamResponse | None = None
         self.usage = Usage()
-        self.sse: SSEParser | None = None
-        self.texts = StreamTexts()
+        self.guard: StreamGuard | None = None
         self.token_seen = False
         self.kept = bytearray()
 
@@ -235,13 +239,16 @@ class Exchange:
         self.machine.handle(drain.UpstreamError(now=time.monotonic()))
         if self.gone_seen:
             return None
-        return error_response(err, self.extra_headers)
+        return errors.error_response(err, self.extra_headers, self.style)
 
     async def _start_client(self, up: aiohttp.ClientResponse) -> web.StreamResponse:
         headers = filter_headers(up.headers)
         headers.update(self.extra_headers)
         resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-        if up.headers.get("Content-Length") is not None and not self._must_buffer(up):
+        # An event stream is forwarded event by event (whole events only), not byte for byte.
+        if up.headers.get("Content-Length") is not None and not (
+            self._must_buffer(up) or _is_sse(up)
+        ):
             resp.content_length = int(up.headers["Content-Length"])
         await resp.prepare(self.request)
         self.client = resp
@@ -260,7 +267,7 @@ class Exchange:
     ) -> web.StreamResponse | None:
         is_sse = _is_sse(up)
         if is_sse:
-            self.sse = SSEParser()
+            self.guard = StreamGuard(self.scanner)
         buffering = self._must_buffer(up)
         got_first = False
         while True:
@@ -290,24 +297,36 @@ class Exchange:
                 return await self._fail_midway(errors.map_upstream_exception(exc))
             now = time.monotonic()
             if not chunk:
+                if self.guard is not None and (rest := self.guard.finish()):
+                    if self._report(self.guard.hits):
+                        return await self._block(up)
+                    if not self.gone_seen and not await self._write(up, rest):
+                        return None
                 self.machine.handle(drain.UpstreamEOF(now=now))
                 return await self._finish(up, buffering)
-            if not got_first:
-                got_first = True
-                ttft = now - t_sent
-                self.record.ttft_s = ttft
-                self.state.metrics.upstream_ttft.observe(ttft)
+            got_first = True
+            # A token already reached a present client: the machine is STREAMING and every
+            # chunk maps to Forward without changing it (drain.py's table), so the hot path
+            # skips building and dispatching the event; a disconnect brings it back.
+            steady = self.token_seen and not self.gone_seen
             try:
-                withhold, has_token = self._inspect(chunk, is_sse)
+                chunk, has_token = self._inspect(chunk)
             except SSEError:
                 return await self._fail_midway(errors.upstream_bad_response("oversized SSE event"))
-            if withhold:
+            if has_token:
+                self.token_seen = True
+            if has_token or self.guard is None:
+                # TTFT: the first generated output of a stream (whatever field carries it),
+                # the first body byte of anything else.
+                self._observe_ttft(now - t_sent)
+            if self.guard is not None and self._report(self.guard.hits):
                 return await self._block(up)
-            decision = self.machine.handle(drain.UpstreamChunk(now=now, has_token=has_token))
-            if isinstance(decision, drain.CloseUpstream):
-                return None
-            if isinstance(decision, drain.Discard):
-                continue
+            if not steady:
+                decision = self.machine.handle(drain.UpstreamChunk(now=now, has_token=has_token))
+                if isinstance(decision, drain.CloseUpstream):
+                    return None
+                if isinstance(decision, drain.Discard):
+                    continue
             if buffering:
                 self.kept += chunk
                 if len(self.kept) > KEEP_BODY_BYTES * 8:
@@ -315,10 +334,22 @@ class Exchange:
                     too_big = errors.upstream_bad_response("response too large to scan")
                     return await self._block(up, too_big)
                 continue
-            if len(self.kept) < KEEP_BODY_BYTES and not is_sse:
+            if not is_sse and len(self.kept) < self._keep_limit():
+                # Observe mode relays as it reads, but the tripwire still reads the whole
+                # body (to the same bound block mode holds), not only its first 8 MiB.
                 self.kept += chunk
-            if not await self._write(up, chunk):
+                if len(self.kept) >= self._keep_limit() and self.scanner is not None:
+                    log_event(
+                        log,
+                        logging.WARNING,
+                        "response too large to scan for canaries: the rest is not scanned",
+                        request_id=self.record.request_id,
+                    )
+            if chunk and not await self._write(up, chunk):
                 return None
+
+    def _keep_limit(self) -> int:
+        return KEEP_BODY_BYTES * 8 if self.scanner is not None else KEEP_BODY_BYTES
 
     async def _write(self, up: aiohttp.ClientResponse, chunk: bytes) -> bool:
         """Relay one chunk; False when the upstream must now be closed (client gone at a
@@ -333,50 +364,38 @@ class Exchange:
                 return False
         return True
 
-    def _inspect(self, chunk: bytes, is_sse: bool) -> tuple[bool, bool]:
-        """Canary scan and token detection; returns (withhold this chunk, carries a token).
+    def _inspect(self, chunk: bytes) -> tuple[bytes, bool]:
+        """The bytes of this chunk that may be forwarded, and whether it carries generated
+        output. Raises SSEError when one event outgrows the parser's bound."""
+        if self.guard is None:
+            return chunk, False
+        forward, output = self.guard.feed(chunk)
+        if self.guard.prompt_tokens is not None:
+            self.usage.prompt_tokens = self.guard.prompt_tokens
+        return forward, output
 
-        Raises SSEError when one event outgrows the parser's bound (a broken upstream)."""
-        if not is_sse or self.sse is None:
-            return False, False
-        has_token = False
-        withhold = False
-        need_texts = self.scanner is not None or not self.token_seen
-        for payload in self.sse.feed(chunk):
-            if b'"usage"' in payload:
-                self._read_usage(payload)
-            if not need_texts:
-                continue
-            info = self.texts.feed(payload)
-            has_token = has_token or info.has_token
-            if self.scanner is None:
-                continue
-            for index, text in info.texts:
-                hit = self.scanner.feed_text(index, text)
-                if hit is None:
-                    continue
-                self._report_canary(hit)
-                # Observe only counts. After a disconnect nothing reaches anyone, so the
-                # chunk goes to the drain machine like any other (it carries a token).
-                if self.state.settings.canary_action == "block" and not self.gone_seen:
-                    withhold = True
-        if has_token:
-            self.token_seen = True
-        return withhold, has_token
+    def _observe_ttft(self, ttft: float) -> None:
+        if self.record.ttft_s is None:
+            self.record.ttft_s = ttft
+            self.state.metrics.upstream_ttft.observe(ttft)
 
-    def _read_usage(self, payload: bytes) -> None:
-        with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
-            usage = orjson.loads(payload).get("usage")  # input_tokens: responses, messages
-            tokens = usage.get("prompt_tokens", usage.get("input_tokens"))
-            if isinstance(tokens, int):
-                self.usage.prompt_tokens = tokens
+    def _report(self, hits: list[CanaryHit]) -> bool:
+        """Count and log each hit; True when the response must be withheld now."""
+        for hit in hits:
+            self._report_canary(hit)
+        # Observe only counts. After a disconnect nothing reaches anyone, so the chunk goes
+        # to the drain machine like any other (it carries a token).
+        return bool(hits) and self.state.settings.canary_action == "block" and not self.gone_seen
 
     async def _finish(
         self, up: aiohttp.ClientResponse, buffering: bool
     ) -> web.StreamResponse | None:
         body = bytes(self.kept)
         if body and not self.streaming:
-            self._read_usage(body)
+            # The same reading of `usage` the stream guard uses (output.read_payload).
+            tokens = read_payload(body).prompt_tokens
+            if tokens is not None:
+                self.usage.prompt_tokens = tokens
         if self.scanner is not None and body and not _is_sse(up):
             hit = self.scanner.scan_body(body)
             if hit is not None:
@@ -399,7 +418,7 @@ class Exchange:
             await client.write_eof()
         return None
 
-    def _report_canary(self, hit: Any) -> None:
+    def _report_canary(self, hit: CanaryHit) -> None:
         tenant = self.record.tenant or "unknown"
         self.state.metrics.canary_violations.labels(tenant).inc()
         log_event(
@@ -428,12 +447,12 @@ class Exchange:
         if self.client is not None:
             await self._end_stream_with_error(err)
             return None
-        return error_response(err, self.extra_headers)
+        return errors.error_response(err, self.extra_headers, self.style)
 
     async def _end_stream_with_error(self, err: KvproxyError) -> None:
         assert self.client is not None
         with contextlib.suppress(ConnectionResetError, RuntimeError):
-            await self.client.write(errors.sse_error_event(err))
+            await self.client.write(errors.sse_error_event(err, self.style))
             await self.client.write_eof()
 
     # --- closing ------------------------------------------------------------------------
@@ -480,20 +499,3 @@ def _body_payload(body: bytes) -> bytes | io.BytesIO:
 
 def _is_sse(up: aiohttp.ClientResponse) -> bool:
     return up.headers.get("Content-Type", "").startswith("text/event-stream")
-
-
-def error_response(
-    err: KvproxyError,
-    extra_headers: dict[str, str] | None = None,
-    style: errors.ErrorStyle = "openai",
-) -> web.Response:
-    headers = dict(extra_headers or {})
-    headers.update(err.headers)
-    resp = web.Response(
-        status=err.status, body=err.body(style), content_type="application/json", headers=headers
-    )
-    if headers.get("Connection", "").lower() == "close":
-        # The header alone does not make aiohttp close: it would keep the connection and,
-        # after a 408, linger up to 10 s reading the rest of a slow client's body.
-        resp.force_close()
-    return resp

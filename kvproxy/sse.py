@@ -1,51 +1,39 @@
-"""Server-sent events and the generated text inside them, sans-IO.
+"""Server-sent event framing, sans-IO.
 
-Owns: splitting an upstream `text/event-stream` into events (`SSEParser`), and reading the
-generated text and the "a token has been generated" signal out of each event's payload
-(`StreamTexts`, `token_texts`, `has_token`) or out of a whole non-streamed JSON body
-(`body_texts`). The drain state machine needs `has_token` (a generated token proves decode
-holds the KV, so the transfer is over); the canary tripwire needs the text.
+Owns: splitting an upstream `text/event-stream` into events (`SSEParser`): each event's
+`data`, the other lines a client also receives (comments, `event:`, `id:`), and the bytes
+of the events a chunk completed, which are all the relay may forward (an event is
+forwarded only once it is whole and has been scanned). What the payloads mean is
+`kvproxy.output`'s job.
 
 Must never: touch a socket, log anything, or keep more than one event's bytes (an event
-larger than `max_event_bytes` is an error, not unbounded memory). Malformed payloads are
-never fatal: they yield no text and no token, which keeps a drain going (the safe side).
-
-Formats read (OpenAI-compatible servers, SGLang, vLLM):
-
-    chat chunk         {"choices": [{"index": i, "delta": {"content" | "reasoning_content"
-                         | "tool_calls": [{"function": {"name", "arguments"}}]}}]}
-    completions chunk  {"choices": [{"index": i, "text": "..."}]}
-    SGLang /generate   {"text": "...", "meta_info": {"completion_tokens": n, ...}, "index": i}
-                       (text is cumulative in SGLang's default mode, incremental with
-                       --incremental-streaming-output; `StreamTexts` tells them apart)
-    Responses stream   {"type": "response.output_text.delta" | "response.refusal.delta" |
-                         "response.reasoning_text.delta" | "response.function_call_arguments
-                         .delta", "delta": "...", "output_index": i}
-    Messages stream    {"type": "content_block_delta", "index": i, "delta": {"text" |
-                         "thinking" | "partial_json": "..."}}
-    (whole bodies: a Responses object's `output` items, a Messages object's `content`)
-    error event        {"error": {...}} or {"object": "error", ...}: no text, no token
-    end of stream      [DONE]
+larger than `max_event_bytes` is an error, not unbounded memory).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import orjson
+from typing import NamedTuple
 
 # One event is one token's worth of JSON in practice (< 4 KiB); a non-streamed-style body
 # sent as a single event can be large (n choices x long outputs). 16 MiB bounds memory while
 # never cutting a legitimate response short.
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
 _BOM = b"\xef\xbb\xbf"
-# Characters compared to decide whether a /generate text continues the previous one.
-_CUMULATIVE_PROBE_CHARS = 32
 
 
 class SSEError(ValueError):
     """The stream cannot be parsed within bounds (an event exceeded `max_event_bytes`)."""
+
+
+class Framed(NamedTuple):  # a tuple: built once per chunk on the hot path
+    """What one chunk completed: the `data` payloads, the other lines (comments and
+    non-data fields, without their line end), and `forward`, the bytes of the complete
+    events (line endings normalised to \\n) in order; an incomplete event stays held."""
+
+    payloads: list[bytes]
+    other: list[bytes]
+    forward: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +52,16 @@ class SSEParser:
     event ends at a blank line; lines starting with ':' are comments; `data:` lines of one
     event are joined with \\n. An incomplete event at EOF is discarded, as the spec says."""
 
-    __slots__ = ("_block_start", "_buf", "_data", "_line_start", "_max", "_skip_lf", "_started")
+    __slots__ = (
+        "_block_start",
+        "_buf",
+        "_data",
+        "_line_start",
+        "_max",
+        "_other",
+        "_skip_lf",
+        "_started",
+    )
 
     def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         if max_event_bytes < 1:
@@ -77,6 +74,7 @@ class SSEParser:
         self._data: list[bytes] = []
         self._skip_lf = False  # the previous chunk ended in \r: a leading \n pairs with it
         self._started = False
+        self._other: list[bytes] = []  # non-data lines seen since the last feed_chunk
 
     @property
     def pending_bytes(self) -> int:
@@ -85,12 +83,29 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The `data` payloads of the events this chunk completes."""
-        fast = self._feed_whole_events(chunk)
-        if fast is not None:
-            return fast
-        return [ev.data for ev in self.feed_events(chunk) if ev.data is not None]
+        return self.feed_chunk(chunk).payloads
 
-    def _feed_whole_events(self, chunk: bytes) -> list[bytes] | None:
+    def feed_chunk(self, chunk: bytes) -> Framed:
+        """Payloads, other lines and the forwardable bytes of the events this chunk
+        completes."""
+        other: list[bytes] = []
+        self._other = other
+        fast = self._feed_whole_events(chunk, other)
+        if fast is not None:
+            return Framed(fast, other, chunk)
+        events = self.feed_events(chunk)
+        payloads = [ev.data for ev in events if ev.data is not None]
+        return Framed(payloads, other, b"".join(ev.raw for ev in events))
+
+    def take_pending(self) -> bytes:
+        """The bytes of the incomplete event (the stream ended inside it), and forget them."""
+        out = bytes(self._buf)
+        self._buf.clear()
+        self._block_start = self._line_start = 0
+        self._data = []
+        return out
+
+    def _feed_whole_events(self, chunk: bytes, other: list[bytes]) -> list[bytes] | None:
         """The relay's hot path: a chunk that is exactly whole one-line events
         (`data: {...}\n\n` each, as engines write them), with nothing pending. Parsed with
         two C-level splits instead of the line loop; any other shape returns None before
@@ -107,12 +122,14 @@ class SSEParser:
         out: list[bytes] = []
         for line in blocks:
             if not line or b"\n" in line:
+                del other[:]
                 return None  # a blank run or a multi-line event: the general parser
-            if line[0] == 0x3A:  # ':' a comment: an event without data
-                continue
-            name, colon, value = line.partition(b":")
-            if name == b"data":
-                out.append(value[1:] if colon and value[:1] == b" " else value)
+            if line.startswith(b"data:"):
+                out.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif line == b"data":
+                out.append(b"")
+            else:
+                other.append(line)  # a comment or another field: the client gets it too
         return out
 
     def feed_events(self, chunk: bytes) -> list[SSEEvent]:
@@ -129,12 +146,14 @@ class SSEParser:
         while nl >= 0:
             if nl == pos:
                 events.append(self._dispatch(nl))
-            elif buf[pos] != 0x3A:  # ':' starts a comment
+            else:
                 name, colon, value = buf[pos:nl].partition(b":")
                 if name == b"data":
                     if colon and value[:1] == b" ":
                         value = value[1:]
                     self._data.append(bytes(value))
+                else:  # a comment (':' first) or another field: scanned, not parsed
+                    self._other.append(bytes(buf[pos:nl]))
             pos = nl + 1
             nl = buf.find(b"\n", pos)
         self._line_start = pos
@@ -170,220 +189,3 @@ class SSEParser:
             self._skip_lf = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         return chunk
-
-
-# --- generated text in payloads ----------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PayloadInfo:
-    """What one event payload says: new generated text per choice index, whether it carries
-    a generated token, whether it is `[DONE]`, whether it is an error event."""
-
-    texts: list[tuple[int, str]]
-    has_token: bool
-    done: bool = False
-    error: bool = False
-
-
-_NOTHING = PayloadInfo(texts=[], has_token=False)
-_DONE = PayloadInfo(texts=[], has_token=False, done=True)
-_ERROR = PayloadInfo(texts=[], has_token=False, error=True)
-
-
-class StreamTexts:
-    """Per-response reader of stream payloads. Keep one per response: SGLang's `/generate`
-    repeats the whole text so far in every event, and only the new part is new text.
-
-    Mode detection for `/generate` (per choice index): the first event's text is new; from
-    the second event on, a text that extends the previous one (same length prefix, same
-    last characters) marks the stream cumulative, anything else incremental, and the mode
-    then sticks. A wrong guess at the second event can only make the canary scan a suffix
-    again or skip a coincidentally repeated prefix; it never changes `has_token`.
-    """
-
-    __slots__ = ("_gen",)
-
-    def __init__(self) -> None:
-        # index -> [previous cumulative length, its last characters, mode or None]
-        self._gen: dict[int, list[Any]] = {}
-
-    def feed(self, payload: bytes) -> PayloadInfo:
-        stripped = payload.strip()
-        if stripped == b"[DONE]":
-            return _DONE
-        try:
-            obj = orjson.loads(stripped)
-        except orjson.JSONDecodeError:
-            return _NOTHING
-        if not isinstance(obj, dict):
-            return _NOTHING
-        if "error" in obj or obj.get("object") == "error":
-            return _ERROR
-        choices = obj.get("choices")
-        if isinstance(choices, list):
-            return _choices_info(choices)
-        if isinstance(obj.get("text"), str):
-            return self._generate_info(obj)
-        if isinstance(obj.get("type"), str):
-            return _typed_event_info(obj)
-        return _NOTHING
-
-    def _generate_info(self, obj: dict[str, Any]) -> PayloadInfo:
-        text: str = obj["text"]
-        index = obj.get("index", 0)
-        if not isinstance(index, int):
-            index = 0
-        state = self._gen.get(index)
-        if state is None:
-            new = text
-            self._gen[index] = [len(text), text[-_CUMULATIVE_PROBE_CHARS:], None]
-        else:
-            prev_len, prev_tail, mode = state
-            if mode is None:
-                extends = len(text) >= prev_len and text[prev_len - len(prev_tail) : prev_len] == (
-                    prev_tail
-                )
-                mode = "cumulative" if extends else "incremental"
-                state[2] = mode
-            new = text[prev_len:] if mode == "cumulative" else text
-            state[0] = len(text)
-            state[1] = text[-_CUMULATIVE_PROBE_CHARS:]
-        meta = obj.get("meta_info")
-        completion = meta.get("completion_tokens") if isinstance(meta, dict) else None
-        token = bool(new) or (isinstance(completion, int) and completion >= 1)
-        return PayloadInfo(texts=[(index, new)] if new else [], has_token=token)
-
-
-# /v1/responses and /v1/messages stream events that carry generated text (the others:
-# lifecycle events, and `response.completed`, which repeats text already seen in deltas).
-_RESPONSES_DELTAS = frozenset(
-    {
-        "response.output_text.delta",
-        "response.refusal.delta",
-        "response.reasoning_text.delta",
-        "response.reasoning_summary_text.delta",
-        "response.function_call_arguments.delta",
-    }
-)
-_MESSAGES_DELTA_KEYS = ("text", "thinking", "partial_json")
-
-
-def _typed_event_info(obj: dict[str, Any]) -> PayloadInfo:
-    kind = obj["type"]
-    text: Any = None
-    if kind in _RESPONSES_DELTAS:
-        text, index = obj.get("delta"), obj.get("output_index", 0)
-    elif kind == "content_block_delta":
-        delta, index = obj.get("delta"), obj.get("index", 0)
-        if isinstance(delta, dict):
-            text = next((delta[k] for k in _MESSAGES_DELTA_KEYS if k in delta), None)
-    if not isinstance(text, str) or not text:
-        return _NOTHING
-    return PayloadInfo(texts=[(index if isinstance(index, int) else 0, text)], has_token=True)
-
-
-def _api_object_texts(item: dict[str, Any]) -> list[str]:
-    """Generated strings of a Responses object (`output` items) or a Messages object
-    (`content` blocks), the shapes smg and SGLang return for those routes."""
-    out: list[str] = []
-    blocks: list[Any] = []
-    output = item.get("output")
-    if isinstance(output, list):
-        for entry in output:
-            if not isinstance(entry, dict):
-                continue
-            out.extend(entry[k] for k in ("name", "arguments") if isinstance(entry.get(k), str))
-            for key in ("content", "summary"):
-                if isinstance(entry.get(key), list):
-                    blocks.extend(entry[key])
-    elif item.get("type") == "message" and isinstance(item.get("content"), list):
-        blocks = item["content"]
-    for block in blocks:
-        if not isinstance(block, dict):
-            continue
-        out.extend(
-            block[k]
-            for k in ("text", "refusal", "thinking", "name")
-            if isinstance(block.get(k), str)
-        )
-        if isinstance(block.get("input"), dict):
-            out.append(orjson.dumps(block["input"]).decode())
-    return out
-
-
-def _choices_info(choices: list[Any]) -> PayloadInfo:
-    texts: list[tuple[int, str]] = []
-    for pos, choice in enumerate(choices):
-        if not isinstance(choice, dict):
-            continue
-        index = choice.get("index", pos)
-        if not isinstance(index, int):
-            index = pos
-        delta = choice.get("delta")
-        source = delta if isinstance(delta, dict) else choice
-        for text in _choice_texts(source):
-            if text:
-                texts.append((index, text))
-    return PayloadInfo(texts=texts, has_token=bool(texts))
-
-
-def _choice_texts(part: dict[str, Any]) -> list[str]:
-    """Generated strings in a chat delta / chat message / completions choice."""
-    out: list[str] = []
-    for key in ("content", "reasoning_content", "text"):
-        value = part.get(key)
-        if isinstance(value, str):
-            out.append(value)
-        elif isinstance(value, list):  # content parts
-            out.extend(
-                p["text"] for p in value if isinstance(p, dict) and isinstance(p.get("text"), str)
-            )
-    calls = part.get("tool_calls")
-    if isinstance(calls, list):
-        for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict):
-                # The function name is generated too; a leak could surface there.
-                out.extend(fn[k] for k in ("name", "arguments") if isinstance(fn.get(k), str))
-    return out
-
-
-def token_texts(payload: bytes) -> list[tuple[int, str]]:
-    """New generated text per choice index in one payload, without per-response state: for
-    SGLang `/generate` this is the whole cumulative text (use `StreamTexts` for the delta)."""
-    return StreamTexts().feed(payload).texts
-
-
-def has_token(payload: bytes) -> bool:
-    """Whether a payload carries a generated token. Role-only deltas, empty texts, usage-only
-    chunks, finish-only chunks, errors and [DONE] do not."""
-    return StreamTexts().feed(payload).has_token
-
-
-def body_texts(body: bytes) -> list[str]:
-    """Generated strings in a non-streamed response body, for scanning. A body that is not
-    JSON is returned whole (decoded leniently): unknown shapes are scanned, not skipped."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return [body.decode("utf-8", "replace")] if body else []
-    items = obj if isinstance(obj, list) else [obj]  # /generate with a batch returns a list
-    out: list[str] = []
-    for item in items:
-        if not isinstance(item, dict):
-            continue
-        choices = item.get("choices")
-        if isinstance(choices, list):
-            for choice in choices:
-                if not isinstance(choice, dict):
-                    continue
-                message = choice.get("message")
-                out.extend(_choice_texts(message if isinstance(message, dict) else choice))
-                if isinstance(message, dict) and isinstance(choice.get("text"), str):
-                    out.append(choice["text"])
-        elif isinstance(item.get("text"), str):
-            out.append(item["text"])
-        else:
-            out.extend(_api_object_texts(item))
-    return [t for t in out if t]

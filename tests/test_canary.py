@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvproxy.canary import MAX_MARKER_CHARS, CanaryHit, CanaryRules, CanaryScanner
 from kvproxy.config import CanaryTenant, ConfigError, Settings
-from kvproxy.sse import SSEParser, StreamTexts
+from kvproxy.guard import StreamGuard
 
 ACME_LIT = "ACME-CANARY-7f3a9c"
 ACME_RE = "KVCANARY-acme-[0-9a-f]{16}"
@@ -40,16 +40,14 @@ def chat_sse(*contents: str) -> bytes:
 
 
 def scan_stream(scanner: CanaryScanner, pieces: list[bytes]) -> list[CanaryHit]:
-    """What the relay does: SSE framing -> per-index new text -> scanner."""
-    parser, texts = SSEParser(), StreamTexts()
+    """What the relay does: SSE framing -> every string of each event -> scanner."""
+    guard = StreamGuard(scanner)
     hits = []
     for piece in pieces:
-        for payload in parser.feed(piece):
-            for index, text in texts.feed(payload).texts:
-                hit = scanner.feed_text(index, text)
-                if hit is not None:
-                    hits.append(hit)
-    return hits
+        guard.feed(piece)
+        hits += guard.hits
+    guard.finish()
+    return hits + guard.hits
 
 
 @pytest.mark.parametrize(
@@ -151,7 +149,7 @@ def test_work_per_chunk_is_bounded_by_the_longest_marker() -> None:
     for _ in range(2000):
         s.feed_text(0, "".join(rng.choices(string.ascii_letters + " -", k=rng.randint(1, 40))))
     longest = max(len(ACME_LIT), len(ACME_HIT), len(BOB_LIT))
-    assert len(s._tails[0]) <= longest - 1
+    assert len(s.tail_of(0)) <= longest - 1
 
 
 def test_scan_body_non_streamed() -> None:
@@ -309,3 +307,195 @@ def test_embedded_foreign_marker_is_always_found(prefix: str, suffix: str, cuts:
     s = rules().scanner("bob")
     hits = [s.feed_text(0, text[a:b]) for a, b in itertools.pairwise(bounds)]
     assert CanaryHit("acme", "acme#2") in hits
+
+
+# --- every string a client receives, streamed and not, split and escaped -----------------
+# (#15.1: the old scanner read only content / reasoning_content / text.)
+
+MARK = ACME_HIT  # a pattern marker, foreign to "bob"
+
+
+def _chat(delta: dict[str, object], **choice: object) -> dict[str, object]:
+    return {"id": "c", "object": "chat.completion.chunk", "model": "m",
+            "choices": [{"index": 0, "delta": delta, **choice}]}  # fmt: skip
+
+
+def _lp(tok: str) -> dict[str, object]:
+    return {"token": tok, "logprob": -0.1, "bytes": list(tok.encode()), "top_logprobs": []}
+
+
+# Each builds one streamed event carrying `s` in one field a client receives.
+STREAM_FIELDS = {
+    "chat.content": lambda s: _chat({"content": s}),
+    "chat.reasoning": lambda s: _chat({"reasoning": s}),
+    "chat.reasoning_content": lambda s: _chat({"reasoning_content": s}),
+    "chat.refusal": lambda s: _chat({"refusal": s}),
+    "chat.tool_calls.arguments": lambda s: _chat(
+        {"tool_calls": [{"index": 0, "function": {"arguments": s}}]}
+    ),
+    "chat.tool_calls.name": lambda s: _chat(
+        {"tool_calls": [{"index": 1, "function": {"name": s}}]}
+    ),
+    "chat.function_call": lambda s: _chat({"function_call": {"arguments": s}}),
+    "chat.logprobs.token": lambda s: _chat({}, logprobs={"content": [_lp(s)]}),
+    "chat.top_logprobs.token": lambda s: _chat(
+        {}, logprobs={"content": [{**_lp("x"), "top_logprobs": [_lp(s)]}]}
+    ),
+    "chat.future_field": lambda s: _chat({"engine_added_field": {"deep": [s]}}),
+    "chat.root_field": lambda s: {**_chat({}), "system_fingerprint": s},
+    "completions.text": lambda s: {"choices": [{"index": 0, "text": s}]},
+    "completions.logprobs.tokens": lambda s: {
+        "choices": [{"index": 0, "text": "", "logprobs": {"tokens": [s], "token_logprobs": [-1]}}]
+    },
+    "generate.text": lambda s: {"text": s, "meta_info": {"completion_tokens": 1}},
+    "generate.meta_info": lambda s: {
+        "text": "",
+        "meta_info": {"output_token_logprobs": [[-0.1, 5, s]], "id": "r"},
+    },
+    "error.message": lambda s: {"error": {"message": s, "code": 500}},
+}
+
+
+def _escaped(obj: object, piece: str) -> bytes:
+    """JSON for `obj` with every character of `piece` written as a \\uXXXX escape."""
+    text = orjson.dumps(obj).decode()
+    return text.replace(piece, "".join(f"\\u{ord(c):04x}" for c in piece)).encode()
+
+
+@pytest.mark.parametrize("field", sorted(STREAM_FIELDS))
+@pytest.mark.parametrize("cut", [1, 9, len(MARK) - 1])
+def test_streamed_marker_in_any_field_split_across_events_and_escaped(field: str, cut: int) -> None:
+    build = STREAM_FIELDS[field]
+    a, b = MARK[:cut], MARK[cut:]
+    events = [
+        _chat({"role": "assistant", "content": ""}),
+        build("lead-in " + a),
+        {"choices": [{"index": 3, "delta": {"content": "other choice"}}]},  # not in between
+        build(b + " tail"),
+    ]
+    stream = [b"data: " + _escaped(e, a) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+    hits = scan_stream(rules().scanner("bob"), stream)
+    assert hits == [CanaryHit("acme", "acme#2")], field
+    # The viewer who owns the marker is never blocked by it.
+    assert scan_stream(rules().scanner("acme"), stream) == []
+
+
+BODY_FIELDS = {
+    "chat.message.content": {"choices": [{"message": {"role": "assistant", "content": MARK}}]},
+    "chat.message.reasoning": {"choices": [{"message": {"content": "", "reasoning": MARK}}]},
+    "chat.message.refusal": {"choices": [{"message": {"refusal": MARK}}]},
+    "chat.message.tool_call_name": {
+        "choices": [{"message": {"tool_calls": [{"function": {"name": MARK}}]}}]
+    },
+    "chat.message.function_call": {"choices": [{"message": {"function_call": {"name": MARK}}}]},
+    # Split over logprob tokens: the list is read as one text.
+    "chat.logprobs.tokens": {
+        "choices": [
+            {
+                "message": {"content": ""},
+                "logprobs": {"content": [_lp(MARK[:5]), _lp(MARK[5:17]), _lp(MARK[17:])]},
+            }
+        ]
+    },
+    "completions.text": {"choices": [{"index": 0, "text": MARK}]},
+    "completions.top_logprobs.key": {
+        "choices": [{"text": "", "logprobs": {"top_logprobs": [{MARK: -0.5}]}}]
+    },
+    "generate.text": {"text": MARK, "meta_info": {}},
+    "generate.batch": [{"text": "a", "meta_info": {}}, {"text": MARK, "meta_info": {}}],
+    "generate.meta_info": {"text": "", "meta_info": {"finish_reason": {"matched": MARK}}},
+    "usage.extra": {"choices": [], "usage": {"note": MARK}},
+}
+
+
+@pytest.mark.parametrize("field", sorted(BODY_FIELDS))
+def test_non_streamed_marker_in_any_field_escaped(field: str) -> None:
+    body = _escaped(BODY_FIELDS[field], MARK[:9])
+    assert MARK.encode() not in body  # only the decoded text holds the marker
+    assert rules().scanner("bob").scan_body(body) == CanaryHit("acme", "acme#2"), field
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"text": "' + MARK.encode() + b'", "x": NaN}',  # not JSON to orjson, JSON to others
+        b'{"text": "\\u004b' + MARK[1:].encode() + b'", "n": 1e400}',  # escaped, undecodable
+        b"\xff garbage " + MARK.encode(),
+        # An event stream labelled as JSON, its marker split across events.
+        b'data: {"choices":[{"index":0,"delta":{"content":"' + MARK[:6].encode() + b'"}}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"content":"' + MARK[6:].encode() + b'"}}]}\n\n',
+    ],
+)
+def test_undecodable_bodies_are_scanned_raw_and_unescaped(body: bytes) -> None:
+    assert rules().scanner("bob").scan_body(body) == CanaryHit("acme", "acme#2")
+
+
+def test_sse_comment_and_event_lines_are_scanned() -> None:
+    stream = [b": " + MARK.encode() + b"\n\n", b"data: [DONE]\n\n"]
+    assert scan_stream(rules().scanner("bob"), stream) == [CanaryHit("acme", "acme#2")]
+
+
+def test_cumulative_generate_text_is_counted_once_yet_seams_are_scanned() -> None:
+    s = rules("observe").scanner("bob")
+    texts = ["The ", "The " + MARK, "The " + MARK + " cat", "The " + MARK + " cat sat"]
+    stream = [b"data: " + orjson.dumps({"text": t, "meta_info": {}}) + b"\n\n" for t in texts]
+    assert scan_stream(s, stream) == [CanaryHit("acme", "acme#2")]
+    assert s.hit_count == 1
+    # Incremental text that repeats itself: the marker sits on the seam of two copies.
+    half = MARK[:15]
+    seam = MARK[15:] + " " + half  # "...half" then "seam" again shows half + MARK[15:]
+    s2 = rules().scanner("bob")
+    events = [seam, seam]
+    stream2 = [b"data: " + orjson.dumps({"text": t, "meta_info": {}}) + b"\n\n" for t in events]
+    assert scan_stream(s2, stream2) == [CanaryHit("acme", "acme#2")]
+
+
+def test_patterns_that_look_past_the_match_are_refused() -> None:
+    for pattern in ("KVCANARY-[0-9]{8}$", r"\bKVCANARY-[0-9]{8}", "KVC(?=A)ANARY-[0-9]{4}"):
+        with pytest.raises(ConfigError, match="anchor or lookaround"):
+            CanaryRules.from_tenants([CanaryTenant(tenant="acme", patterns=(pattern,))])
+
+
+_KEY = st.text(alphabet=string.ascii_letters + "_", min_size=1, max_size=8)
+# One step down: a key of an object (with siblings), a one-element list, or a list of
+# records numbered by `index` (the choices / tool_calls shape).
+_STEP = st.one_of(
+    st.tuples(
+        st.just("key"),
+        _KEY,
+        st.dictionaries(_KEY, st.integers(-(2**63), 2**63 - 1) | st.none(), max_size=2),
+    ),
+    st.tuples(st.just("list"), st.just(""), st.just({})),
+    st.tuples(st.just("indexed"), st.integers(0, 3).map(str), st.just({})),
+)
+
+
+def _build(steps: list[tuple[str, str, dict[str, object]]], leaf: str) -> object:
+    value: object = leaf
+    for kind, name, siblings in reversed(steps):
+        if kind == "key":
+            value = {**{k: v for k, v in siblings.items() if k != name}, name: value}
+        elif kind == "list":
+            value = [value]
+        else:
+            value = [{"index": int(name), "v": value}]
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(_STEP, min_size=1, max_size=6),
+    cut=st.integers(1, len(MARK) - 1),
+    escape=st.booleans(),
+)
+def test_a_marker_anywhere_in_any_shape_split_across_events_is_found(
+    steps: list[tuple[str, str, dict[str, object]]], cut: int, escape: bool
+) -> None:
+    """Whatever key or nesting carries it, and written with escapes or not."""
+    a, b = MARK[:cut], MARK[cut:]
+    first, second = _build(steps, "x " + a), _build(steps, b + " y")
+    stream = [
+        b"data: " + (_escaped(first, a) if escape else orjson.dumps(first)) + b"\n\n",
+        b"data: " + orjson.dumps(second) + b"\n\n",
+    ]
+    assert scan_stream(rules().scanner("bob"), stream) == [CanaryHit("acme", "acme#2")]

@@ -12,6 +12,7 @@ import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import orjson
 import pytest
 
 from kvproxy.drain import (
@@ -34,6 +35,7 @@ from kvproxy.drain import (
     UpstreamError,
     UpstreamHeaders,
 )
+from kvproxy.guard import StreamGuard
 from kvproxy.metrics import DEFERRED_OUTCOMES, DISCONNECT_PHASES
 
 TIMEOUT_S = 100.0
@@ -378,3 +380,38 @@ def test_constructor_validates() -> None:
         DrainMachine(True, "never", 1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout_s"):
         DrainMachine(True, "first_token", 0)
+
+
+# --- the machine fed by the relay's reading of real event shapes ------------------------
+
+
+def _events(*deltas: dict[str, object]) -> list[bytes]:
+    return [
+        b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": d}]}) + b"\n\n" for d in deltas
+    ] + [b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        {"reasoning": "Let me think"},  # vLLM >= 0.16: reasoning only in delta.reasoning
+        {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},
+        {"refusal": "no"},
+    ],
+)
+def test_first_token_in_any_field_ends_a_deferred_drain(first: dict[str, object]) -> None:
+    """The client left during prefill; the drain must end at the first generated token,
+    not at the first `content` token (possibly thousands of tokens later)."""
+    chunks = _events({"role": "assistant", "content": ""}, first, {"content": "answer"})
+    guard = StreamGuard(scanner=None)
+    m = DrainMachine(streaming=True, until="first_token", timeout_s=TIMEOUT_S)
+    m.handle(UpstreamHeaders(0.0))
+    assert isinstance(m.handle(ClientGone(1.0)), KeepReading)
+    decisions = []
+    for t, chunk in enumerate(chunks, start=2):
+        _, output = guard.feed(chunk)
+        decisions.append(m.handle(UpstreamChunk(float(t), has_token=output)))
+        if m.upstream_closed:
+            break
+    assert decisions == [Discard(), CloseUpstream("first_token")]
+    assert m.outcome == "first_token"

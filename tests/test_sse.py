@@ -9,14 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproxy.sse import (
-    SSEError,
-    SSEParser,
-    StreamTexts,
-    body_texts,
-    has_token,
-    token_texts,
-)
+from kvproxy.sse import SSEError, SSEParser
 
 
 def chat_chunk(content: str | None = None, index: int = 0, **delta: object) -> bytes:
@@ -142,8 +135,11 @@ def test_whole_events_in_one_chunk_take_the_fast_path() -> None:
     p = SSEParser()
     p.feed(b": hello\n\n")
     chunk = b"data: {}\n\n: ping\n\ndata:[DONE]\n\n"
-    assert p._feed_whole_events(chunk) == [b"{}", b"[DONE]"]
-    assert p._feed_whole_events(b"data: a\ndata: b\n\n") is None  # multi-line: general
+    other: list[bytes] = []
+    assert p._feed_whole_events(chunk, other) == [b"{}", b"[DONE]"]
+    assert other == [b": ping"]
+    assert p._feed_whole_events(b"data: a\ndata: b\n\n", other) is None  # multi-line
+    assert other == []
 
 
 def test_crlf_split_between_cr_and_lf_is_one_line_end() -> None:
@@ -197,87 +193,41 @@ def test_many_events_in_one_chunk_keep_buffer_small() -> None:
     assert p.pending_bytes == 0
 
 
-# --- generated text --------------------------------------------------------------------
+# --- what may be forwarded, and the lines a client sees besides data --------------------
 
 
-@pytest.mark.parametrize(
-    ("payload", "texts", "token"),
-    [
-        (chat_chunk(role="assistant"), [], False),
-        (chat_chunk("", role="assistant"), [], False),
-        (chat_chunk("Hi"), [(0, "Hi")], True),
-        (chat_chunk("Hi", index=2), [(2, "Hi")], True),
-        (chat_chunk(reasoning_content="think"), [(0, "think")], True),
-        (
-            chat_chunk(tool_calls=[{"index": 0, "function": {"name": "f", "arguments": '{"a"'}}]),
-            [(0, "f"), (0, '{"a"')],
-            True,
-        ),
-        (chat_chunk(content=None), [], False),
-        (b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}', [], False),
-        (b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}', [], False),
-        (b'{"choices":[{"index":1,"text":"abc"}]}', [(1, "abc")], True),
-        (b'{"choices":[{"index":0,"text":""}]}', [], False),
-        (b'{"error":{"message":"boom","code":400}}', [], False),
-        (b'{"object":"error","message":"boom","code":400}', [], False),
-        (b"[DONE]", [], False),
-        (b"not json", [], False),
-        (b"[1, 2]", [], False),
-        (b'{"text":"x","meta_info":{"completion_tokens":1}}', [(0, "x")], True),
-        (b'{"text":"","meta_info":{"completion_tokens":0}}', [], False),
-        (b'{"text":"","meta_info":{"completion_tokens":1}}', [], True),
-        (b'{"text":"y","index":3,"meta_info":{}}', [(3, "y")], True),
-    ],
+def test_forward_holds_an_event_until_it_is_whole() -> None:
+    """A marker in the first half of an event must not reach the client before the event
+    has been scanned: only whole events are forwardable."""
+    p = SSEParser()
+    first = p.feed_chunk(b'data: {"a": "KVCAN')
+    assert (first.payloads, first.forward) == ([], b"")
+    second = p.feed_chunk(b'ARY"}\n\ndata: {"b"')
+    assert second.payloads == [b'{"a": "KVCANARY"}']
+    assert second.forward == b'data: {"a": "KVCANARY"}\n\n'
+    assert p.take_pending() == b'data: {"b"'
+    assert p.pending_bytes == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.one_of(_EVENTS, _EVENTS, _NOISE), max_size=30),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8),
 )
-def test_token_texts_and_has_token(
-    payload: bytes, texts: list[tuple[int, str]], token: bool
+def test_forwarded_bytes_are_the_whole_events_of_the_normalised_stream(
+    pieces: list[bytes], cuts: list[int]
 ) -> None:
-    assert token_texts(payload) == texts
-    assert has_token(payload) is token
+    stream = b"".join(pieces)
+    bounds = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+    p, reference = SSEParser(), SSEParser()
+    for a, b in itertools.pairwise(bounds):
+        want = b"".join(e.raw for e in reference.feed_events(stream[a:b]))
+        assert p.feed_chunk(stream[a:b]).forward == want
 
 
-def test_done_and_error_flags() -> None:
-    st_ = StreamTexts()
-    assert st_.feed(b" [DONE] ").done
-    assert st_.feed(b'{"error":{"message":"x"}}').error
-    assert not st_.feed(chat_chunk("a")).error
-
-
-def test_generate_cumulative_text_yields_only_the_new_part() -> None:
-    st_ = StreamTexts()
-    seq = ["The", "The cat", "The cat sat", "The cat sat"]
-    got = [st_.feed(orjson.dumps({"text": t, "meta_info": {"completion_tokens": i + 1}}))
-           for i, t in enumerate(seq)]  # fmt: skip
-    assert [g.texts for g in got] == [[(0, "The")], [(0, " cat")], [(0, " sat")], []]
-    assert [g.has_token for g in got] == [True, True, True, True]
-
-
-def test_generate_incremental_text_is_taken_whole() -> None:
-    st_ = StreamTexts()
-    seq = ["ab", "cd", "abef", "g"]
-    got = [st_.feed(orjson.dumps({"text": t, "meta_info": {}})).texts for t in seq]
-    assert got == [[(0, "ab")], [(0, "cd")], [(0, "abef")], [(0, "g")]]
-
-
-def test_generate_indexes_are_tracked_apart() -> None:
-    st_ = StreamTexts()
-    out = [
-        st_.feed(orjson.dumps({"text": t, "index": i, "meta_info": {}})).texts
-        for i, t in [(0, "a"), (1, "x"), (0, "ab"), (1, "xy")]
-    ]
-    assert out == [[(0, "a")], [(1, "x")], [(0, "b")], [(1, "y")]]
-
-
-def test_body_texts_shapes() -> None:
-    chat = orjson.dumps({"choices": [{"index": 0, "message": {"role": "assistant",
-        "content": "hello", "reasoning_content": "hmm",
-        "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}}]})  # fmt: skip
-    assert body_texts(chat) == ["hello", "hmm", "f", "{}"]
-    assert body_texts(b'{"choices":[{"text":"done"},{"text":""}]}') == ["done"]
-    assert body_texts(b'{"text":"gen","meta_info":{}}') == ["gen"]
-    assert body_texts(b'[{"text":"a"},{"text":"b"}]') == ["a", "b"]
-    assert body_texts(b'{"error":{"message":"x"}}') == []
-    assert body_texts(b"plain \xff text") == ["plain \ufffd text"]
-    assert body_texts(b"") == []
-    parts = b'{"choices":[{"message":{"content":[{"type":"text","text":"p1"}]}}]}'
-    assert body_texts(parts) == ["p1"]
+def test_comments_and_other_fields_are_reported_for_scanning() -> None:
+    for chunks in ([b": c1\n\nevent: e\nid: 7\ndata: x\n\n"], [b": c1\n", b"\nevent: e\n"]):
+        p = SSEParser()
+        p.feed(b"data: start\n\n")
+        other = [line for c in chunks for line in p.feed_chunk(c).other]
+        assert other[:2] == [b": c1", b"event: e"]

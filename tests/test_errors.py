@@ -1,0 +1,26 @@
+"""Error shapes (kvproxy/errors.py): one decision of the shape, from the route."""
+
+from __future__ import annotations
+
+import orjson
+
+from kvproxy import errors
+
+
+def test_the_route_decides_the_shape_and_openai_is_the_default() -> None:
+    assert errors.error_style("generate") == "sglang"
+    for route in ("chat", "completions", "responses", "messages", None, ""):
+        assert errors.error_style(route) == "openai"
+
+
+def test_every_outcome_has_both_shapes_and_the_stream_event_follows_the_style() -> None:
+    err = errors.upstream_bad_response("oversized SSE event")
+    flat = orjson.loads(errors.sse_error_event(err, "sglang").split(b"\n\n")[0][6:])
+    assert flat["object"] == "error"
+    assert flat["kvproxy_code"] == "upstream_bad_response"
+    nested = orjson.loads(errors.sse_error_event(err, "openai").split(b"\n\n")[0][6:])
+    assert nested["error"]["code"] == "upstream_bad_response"
+    resp = errors.error_response(errors.canary_violation(), {"X-Request-ID": "r"}, "sglang")
+    assert resp.status == 502
+    assert resp.body is not None
+    assert orjson.loads(bytes(resp.body))["kvproxy_code"] == "canary_violation"

@@ -1,0 +1,165 @@
+"""What a client receives and what of it is generated output (kvproxy/output.py): the one
+definition the tripwire and the drain's first-token detection share (#15.1, #24.4)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from kvproxy.output import (
+    KEYS_PATH,
+    SEP,
+    body_texts,
+    has_token,
+    read_body,
+    read_payload,
+    token_texts,
+    unescape,
+)
+
+
+def chat_chunk(index: int = 0, **delta: object) -> bytes:
+    choice = {"index": index, "delta": delta, "finish_reason": None}
+    return orjson.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m",
+                         "choices": [choice]})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("payload", "output"),
+    [
+        # Generated output, whatever field carries it.
+        (chat_chunk(content="Hi"), True),
+        (chat_chunk(reasoning="think"), True),  # vLLM >= 0.16: reasoning only here
+        (chat_chunk(reasoning_content="think"), True),  # SGLang
+        (chat_chunk(refusal="no"), True),
+        (
+            chat_chunk(
+                tool_calls=[
+                    {
+                        "index": 0,
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": ""},
+                    }
+                ]
+            ),
+            True,
+        ),
+        (chat_chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"a"'}}]), True),
+        (chat_chunk(function_call={"arguments": "{"}), True),
+        (chat_chunk(some_future_field="x"), True),
+        (b'{"choices":[{"index":0,"delta":{},"logprobs":{"content":[{"token":"a"}]}}]}', True),
+        (b'{"choices":[{"index":0,"delta":{},"token_ids":[17]}]}', True),
+        (b'{"choices":[{"index":1,"text":"abc"}]}', True),
+        (b'{"text":"x","meta_info":{"completion_tokens":1}}', True),
+        (b'{"text":"","meta_info":{"completion_tokens":1}}', True),
+        (b'{"text":"y","index":3,"meta_info":{}}', True),
+        (b'{"output_ids":[5],"meta_info":{"completion_tokens":0}}', True),  # skip_tokenizer_init
+        (b'{"type":"response.output_text.delta","delta":"Hi","item_id":"m"}', True),
+        (
+            b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}',
+            True,
+        ),
+        # Not generated output.
+        (chat_chunk(role="assistant"), False),
+        (chat_chunk(role="assistant", content=""), False),
+        (chat_chunk(content=None, reasoning=None), False),
+        (chat_chunk(tool_calls=[{"index": 0, "id": "call_1", "type": "function"}]), False),
+        (b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop","stop_reason":7}]}', False),
+        (b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}', False),
+        (
+            b'{"id":"c","model":"m","prompt_token_ids":[1,2],"choices":[{"index":0,'
+            b'"delta":{"role":"assistant"}}]}',
+            False,
+        ),
+        (b'{"choices":[{"index":0,"text":""}]}', False),
+        (b'{"error":{"message":"boom","code":400}}', False),
+        (b'{"object":"error","message":"boom","code":400,"choices":[{"text":"x"}]}', False),
+        (
+            b'{"type":"response.created","response":{"status":"in_progress","instructions":"x"}}',
+            False,
+        ),
+        (b'{"text":"","meta_info":{"completion_tokens":0,"id":"r","prompt_tokens":9}}', False),
+        (b"[DONE]", False),
+        (b"not json", False),
+        (b"[1, 2]", False),
+    ],
+)
+def test_generated_output_definition(payload: bytes, output: bool) -> None:
+    assert read_payload(payload).output is output
+    assert has_token(payload) is output
+
+
+def test_every_string_and_key_is_read_with_a_path() -> None:
+    r = read_payload(chat_chunk(index=2, content="\\u0041 raw", role="assistant"))
+    got = dict(zip(r.paths, r.texts, strict=True))
+    assert got[f"{SEP}choices{SEP}#2{SEP}delta{SEP}content"] == "\\u0041 raw"
+    assert got[f"{SEP}choices{SEP}#2{SEP}delta{SEP}role"] == "assistant"
+    assert got[f"{SEP}id"] == "c"
+    assert "finish_reason" in got[KEYS_PATH]
+    escaped = read_payload(b'{"choices":[{"index":0,"delta":{"content":"\\u0041\\n"}}]}')
+    assert "A\n" in escaped.texts
+
+
+def test_a_sequence_of_records_is_one_text_and_repeated_indexes_are_joined() -> None:
+    lp = {"content": [{"token": "ab"}, {"token": "cd"}, {"token": "ef"}]}
+    r = read_payload(orjson.dumps({"choices": [{"index": 0, "logprobs": lp}]}))
+    assert "abcdef" in r.texts
+    twice = b'{"choices":[{"index":0,"text":"ab"},{"index":0,"text":"cd"}]}'
+    assert "abcd" in read_payload(twice).texts
+
+
+def test_undecodable_payloads_are_read_raw_and_unescaped() -> None:
+    r = read_payload(b'{"text": "\\u004bV", "bad": NaN}')
+    assert r.texts[0] == '{"text": "\\u004bV", "bad": NaN}'
+    assert '{"text": "KV", "bad": NaN}' in r.texts
+    deep = b"[" * 1020 + b'"x"' + b"]" * 1020  # deeper than the interpreter recurses
+    assert read_payload(deep).texts  # read raw, not an exception
+    assert unescape('\\ud83d\\ude00 \\ud800 \\"') == '\U0001f600 \ufffd "'
+
+
+def test_usage_prompt_tokens_are_read_once() -> None:
+    r = read_payload(b'{"choices":[],"usage":{"prompt_tokens":5}}')
+    assert r.prompt_tokens == 5
+    assert read_payload(b'{"choices":[],"usage":{"prompt_tokens":"5"}}').prompt_tokens is None
+
+
+def test_read_body_sse_labelled_as_json_yields_its_events() -> None:
+    body = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\ndata: [DONE]'
+    readings = read_body(body)
+    assert readings[0].paths[0] == f"{SEP}raw"
+    assert any("a" in r.texts for r in readings[1:])
+
+
+@pytest.mark.parametrize(
+    ("payload", "texts"),
+    [
+        (chat_chunk(role="assistant"), []),
+        (chat_chunk(content="Hi", index=2), [(2, "Hi")]),
+        (chat_chunk(reasoning="think"), [(0, "think")]),
+        (
+            chat_chunk(tool_calls=[{"index": 0, "function": {"name": "f", "arguments": '{"a"'}}]),
+            [(0, "f"), (0, '{"a"')],
+        ),
+        (b'{"text":"y","index":3,"meta_info":{"id":"r"}}', [(3, "y")]),
+        (b'{"error":{"message":"boom"}}', []),
+        (b"not json", []),
+    ],
+)
+def test_token_texts_are_the_generated_strings_per_choice(
+    payload: bytes, texts: list[tuple[int, str]]
+) -> None:
+    assert token_texts(payload) == texts
+
+
+def test_body_texts_shapes() -> None:
+    chat = orjson.dumps({"choices": [{"index": 0, "message": {"role": "assistant",
+        "content": "hello", "reasoning": "hmm",
+        "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}}]})  # fmt: skip
+    assert body_texts(chat) == ["hello", "hmm", "f", "{}"]
+    assert body_texts(b'{"choices":[{"text":"done"},{"text":""}]}') == ["done"]
+    assert body_texts(b'{"text":"gen","meta_info":{}}') == ["gen"]
+    assert body_texts(b'[{"text":"a"},{"text":"b"}]') == ["a", "b"]
+    assert body_texts(b'{"error":{"message":"x"}}') == []
+    assert body_texts(b"plain \xff text") == ["plain \ufffd text"]
+    assert body_texts(b"") == []
