@@ -38,7 +38,7 @@ from chat_reference import (
 
 from kvproxy.errors import KvproxyError
 from kvproxy.prompt import parse_request
-from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
+from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind, content_formats
 from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.local import load_hf
 from kvproxy.tokens.testing import cache_root
@@ -210,9 +210,11 @@ def test_no_under_count_against_transformers(model: str) -> None:
         bound_rule=local.bound_rule, template=template, local=local, image_tokens=0
     )
 
+    formats = content_formats(ref.template)
+
     def reference(body: dict[str, Any], engine: EngineKind) -> int | None:
         truth = None
-        for fmt in template.content_formats:
+        for fmt in formats:
             try:
                 n = reference_count(ref, body, engine, fmt)
             except Exception:  # the engine refuses these messages: nothing is rendered
