@@ -127,27 +127,72 @@ def normalize(
     return [_transformers_message(m) for m in engine_messages(messages, engine, content_format)]
 
 
+Variant = tuple[list[dict[str, Any]], list[Any] | None]
+
+
 def template_variants(
     messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Any] | None,
     engines: Sequence[EngineKind],
     formats: Sequence[ContentFormat],
-) -> list[list[dict[str, Any]]]:
-    """One message list per distinct normalisation of the configured engines.
+) -> list[Variant]:
+    """(messages, tools) as each configured engine hands them to the template, deduplicated.
 
-    Plain role/content messages pass unchanged except through vLLM on a template detected
-    as "openai" (string content becomes a one-part list); for them no second render is
-    made when the format is only possibly "openai" (see `content_formats`)."""
-    if is_plain(messages):
+    Plain role/content messages without tools pass unchanged except through vLLM on a
+    template detected as "openai" (string content becomes a one-part list); for them no
+    second render is made when the format is only possibly "openai" (`content_formats`)."""
+    if tools is None and is_plain(messages):
         if formats[0] == "string" or "vllm" not in engines:
-            return [[dict(m) for m in messages]]
+            return [([dict(m) for m in messages], None)]
         formats = formats[:1]
-    variants: list[list[dict[str, Any]]] = []
+    variants: list[Variant] = []
     for engine in engines:
+        engine_tools_ = engine_tools(tools, engine)
         for fmt in formats:
-            v = normalize(messages, engine, fmt)
+            v = (normalize(messages, engine, fmt), engine_tools_)
             if v not in variants:
                 variants.append(v)
     return variants
+
+
+def engine_tools(tools: Sequence[Any] | None, engine: EngineKind) -> list[Any] | None:
+    """The tool definitions `engine` passes to the template: its pydantic models dumped.
+
+    vLLM (entrypoints/openai/protocol.py `ChatCompletionToolsParam`, `FunctionDefinition`;
+    serving_chat.py `tool.model_dump()`): `{"type", "function": {"name", "description",
+    "parameters", ...extra}}` with None kept (its models allow extra fields). SGLang
+    (entrypoints/openai/protocol.py `Function`; serving_chat.py
+    `item.function.model_dump()`): the function alone, `{"description", "name",
+    "parameters", "strict"}` with None kept. A template's `tojson` prints the nulls."""
+    if not tools:
+        return None
+    out: list[Any] = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            out.append(tool)  # the engine refuses it: nothing is rendered
+            continue
+        declared = {
+            "name": fn.get("name"),
+            "description": fn.get("description"),
+            "parameters": fn.get("parameters"),
+        }
+        if engine == "vllm":
+            extra_fn = {k: v for k, v in fn.items() if k not in declared}
+            extra = {k: v for k, v in tool.items() if k not in ("type", "function")}
+            body = {**declared, **extra_fn}
+            out.append({"type": tool.get("type", "function"), "function": body, **extra})
+        else:
+            dumped = {
+                "description": declared["description"],
+                "name": declared["name"],
+                "parameters": declared["parameters"],
+                "strict": fn.get("strict", False),
+            }
+            if fn.get("defer_loading") is not None:
+                dumped["defer_loading"] = fn["defer_loading"]
+            out.append(dumped)
+    return out
 
 
 # --- vLLM ---------------------------------------------------------------------------------
@@ -292,6 +337,7 @@ __all__ = [
     "EngineKind",
     "content_formats",
     "engine_messages",
+    "engine_tools",
     "is_plain",
     "normalize",
     "reserialised_bytes",

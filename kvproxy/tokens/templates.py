@@ -109,32 +109,36 @@ class ChatTemplate:
             return found
         return cls(p.read_text(encoding="utf-8"), bos_token, eos_token, origin=str(p))
 
-    def variants(self, seq: SequencePrompt) -> list[list[dict[str, Any]]]:
-        """The message lists the configured engines hand the template (chatnorm)."""
-        return chatnorm.template_variants(seq.messages, self.engines, self.content_formats)
+    def variants(self, seq: SequencePrompt) -> list[chatnorm.Variant]:
+        """(messages, tools) as the configured engines hand them to the template (chatnorm)."""
+        return chatnorm.template_variants(
+            seq.messages, seq.tools, self.engines, self.content_formats
+        )
 
     def render(self, seq: SequencePrompt) -> str:
         """The prompt string the first configured engine tokenizes for this chat sequence."""
-        return self._render(self._template, seq, self.variants(seq)[0])
+        return self._render(self._template, seq, *self.variants(seq)[0])
 
     def render_all(self, seq: SequencePrompt) -> tuple[tuple[str, ...], ...]:
         """Segments of each engine's render (count the largest; usually there is one)."""
-        return tuple(self._segments(seq, v) for v in self.variants(seq))
+        return tuple(self._segments(seq, *v) for v in self.variants(seq))
 
     def render_segments(self, seq: SequencePrompt) -> tuple[str, ...]:
         """The first engine's prompt as segments whose concatenation equals `render(seq)`."""
-        return self._segments(seq, self.variants(seq)[0])
+        return self._segments(seq, *self.variants(seq)[0])
 
-    def _segments(self, seq: SequencePrompt, messages: list[dict[str, Any]]) -> tuple[str, ...]:
+    def _segments(
+        self, seq: SequencePrompt, messages: list[dict[str, Any]], tools: list[Any] | None
+    ) -> tuple[str, ...]:
         reals: list[str] = []
         marked = [self._mark(m, reals) for m in messages]
         if not reals:
-            return (self._render(self._template, seq, messages),)
+            return (self._render(self._template, seq, messages, tools),)
         try:
-            out = self._render(self._guarded, seq, marked)
+            out = self._render(self._guarded, seq, marked, tools)
             return self._splice(out, reals)
         except _NeedsReal:
-            return (self._render(self._template, seq, messages),)
+            return (self._render(self._template, seq, messages, tools),)
 
     def _mark(self, message: dict[str, Any], reals: list[str]) -> dict[str, Any]:
         out = dict(message)
@@ -180,7 +184,11 @@ class ChatTemplate:
         return tuple(segments)
 
     def _render(
-        self, template: jinja2.Template, seq: SequencePrompt, messages: list[dict[str, Any]]
+        self,
+        template: jinja2.Template,
+        seq: SequencePrompt,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
     ) -> str:
         # As transformers: the request's kwargs override the special tokens (the parser has
         # refused kwargs that name apply_chat_template's own arguments or template globals).
@@ -189,7 +197,7 @@ class ChatTemplate:
             return template.render(
                 **kwargs,
                 messages=messages,
-                tools=list(seq.tools) if seq.tools else None,
+                tools=tools,
                 add_generation_prompt=seq.add_generation_prompt,
             )
         except _NeedsReal:

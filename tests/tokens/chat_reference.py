@@ -5,8 +5,8 @@ holding it with a tokenizer.json (the model's own, or a sibling's for the few fo
 ship only a template: the count is compared on the same tokenizer either way), loaded into
 both kvproxy (`load_hf`) and transformers (`PreTrainedTokenizerFast`, no hub access).
 
-`reference_count` is what an engine computes: its message rewriting (kvproxy's
-`chatnorm.engine_messages`, written from the engines' source), then transformers'
+`reference_count` is what an engine computes: its message and tool rewriting (kvproxy's
+`chatnorm.engine_messages` / `engine_tools`, written from the engines' source), then transformers'
 `apply_chat_template(..., tokenize=True)` with the request's tools, documents, generation
 prompt and template kwargs, exactly as both engines call it. Everything after the
 engine's own rewriting — dropping None fields, reasoning aliases, special tokens and
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvproxy.tokens.chatnorm import ContentFormat, EngineKind, engine_messages
+from kvproxy.tokens.chatnorm import ContentFormat, EngineKind, engine_messages, engine_tools
 from kvproxy.tokens.testing import cache_root
 
 # Folders that ship a template but no tokenizer.json: the sibling whose tokenizer they use.
@@ -129,7 +129,7 @@ def reference_count(
         kwargs.setdefault("reasoning_effort", body["reasoning_effort"])
     ids = ref.tokenizer.apply_chat_template(
         messages,
-        tools=body.get("tools"),
+        tools=engine_tools(body.get("tools") or body.get("functions"), engine),
         documents=body.get("documents"),
         add_generation_prompt=body.get("add_generation_prompt", True),
         chat_template=ref.template,

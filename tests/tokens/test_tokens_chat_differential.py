@@ -123,6 +123,17 @@ def _assistant(rng: random.Random, calls: list[str]) -> dict[str, Any]:
     return msg
 
 
+def _tool(rng: random.Random) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": rng.choice(("get", "search_web"))}
+    if rng.random() < 0.7:
+        fn["description"] = _text(rng)
+    if rng.random() < 0.7:
+        fn["parameters"] = {"type": "object", "properties": {"q": {"type": "string"}}}
+    if rng.random() < 0.2:
+        fn["strict"] = True
+    return {"type": "function", "function": fn}
+
+
 def conversation(rng: random.Random) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     if rng.random() < 0.4:
@@ -145,16 +156,7 @@ def conversation(rng: random.Random) -> dict[str, Any]:
         messages.append({"role": "user", "content": _text(rng)})
     body: dict[str, Any] = {"model": "m", "messages": messages}
     if rng.random() < 0.3:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": "get",
-                    "description": _text(rng),
-                    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
-                },
-            }
-        ]
+        body["tools"] = [_tool(rng) for _ in range(rng.randrange(1, 3))]
     kwargs: dict[str, Any] = {}
     if rng.random() < 0.3:
         kwargs["enable_thinking"] = rng.random() < 0.5

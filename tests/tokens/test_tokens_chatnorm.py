@@ -14,6 +14,7 @@ from kvproxy.tokens import engine_kinds
 from kvproxy.tokens.chatnorm import (
     content_formats,
     engine_messages,
+    engine_tools,
     normalize,
     reserialised_bytes,
     template_variants,
@@ -118,15 +119,33 @@ def test_content_format_detection() -> None:
 
 def test_plain_chats_have_one_variant_and_lists_one_per_distinct_normalisation() -> None:
     both = ("sglang", "vllm")
-    assert len(template_variants(PLAIN, both, ("string",))) == 1
-    assert len(template_variants(PLAIN, both, ("string", "openai"))) == 1
+    assert len(template_variants(PLAIN, None, both, ("string",))) == 1
+    assert len(template_variants(PLAIN, None, both, ("string", "openai"))) == 1
     # vLLM on a definitely-"openai" template wraps the strings: one more render.
-    assert len(template_variants(PLAIN, both, ("openai",))) == 2
-    assert len(template_variants(PLAIN, ("sglang",), ("openai",))) == 1
+    assert len(template_variants(PLAIN, None, both, ("openai",))) == 2
+    assert len(template_variants(PLAIN, None, ("sglang",), ("openai",))) == 1
     parts = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     ]
-    assert len(template_variants(parts, both, ("string", "openai"))) == 3  # "a b", "a\nb", list
+    assert (
+        len(template_variants(parts, None, both, ("string", "openai"))) == 3
+    )  # "a b", "a\nb", list
+
+
+def test_tools_as_each_engine_dumps_them() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "x-extra": 1}}]
+    assert engine_tools(tools, "vllm") == [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": None, "parameters": None, "x-extra": 1},
+        }
+    ]
+    assert engine_tools(tools, "sglang") == [
+        {"description": None, "name": "f", "parameters": None, "strict": False}
+    ]
+    assert engine_tools(None, "vllm") is None
+    # A tool changes the plain fast path: one variant per engine.
+    assert len(template_variants(PLAIN, tools, ("sglang", "vllm"), ("string",))) == 2
 
 
 def test_special_token_kwargs_override_the_tokenizers() -> None:
