@@ -29,6 +29,7 @@ template's message, which may quote the conversation (I8). This module never log
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import operator
@@ -43,7 +44,7 @@ import jinja2.compiler
 import jinja2.nodes
 import jinja2.sandbox
 
-from kvproxy.errors import invalid_request
+from kvproxy.errors import KvproxyError, invalid_request
 from kvproxy.prompt import SequencePrompt
 from kvproxy.tokens import chatnorm
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, SPECIAL_TOKEN_KEYS, EngineKind
@@ -120,8 +121,20 @@ class ChatTemplate:
         return self._render(self._template, seq, *self.variants(seq)[0])
 
     def render_all(self, seq: SequencePrompt) -> tuple[tuple[str, ...], ...]:
-        """Segments of each engine's render (count the largest; usually there is one)."""
-        return tuple(self._segments(seq, *v) for v in self.variants(seq))
+        """Segments of each engine's render (count the largest; usually there is one).
+
+        A variant the template cannot render is one that engine refuses (it renders and
+        sends nothing): it is skipped while another engine's variant renders."""
+        variants = self.variants(seq)
+        if len(variants) == 1:
+            return (self._segments(seq, *variants[0]),)
+        renders: list[tuple[str, ...]] = []
+        for v in variants:
+            with contextlib.suppress(KvproxyError):
+                renders.append(self._segments(seq, *v))
+        if not renders:  # every engine refuses: raise the first one's 400 (error path only)
+            return (self._segments(seq, *variants[0]),)
+        return tuple(renders)
 
     def render_segments(self, seq: SequencePrompt) -> tuple[str, ...]:
         """The first engine's prompt as segments whose concatenation equals `render(seq)`."""

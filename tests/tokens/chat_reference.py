@@ -26,6 +26,9 @@ from typing import Any
 from kvproxy.tokens.chatnorm import ContentFormat, EngineKind, engine_messages, engine_tools
 from kvproxy.tokens.testing import cache_root
 
+# One line per template from the differential suite, for the terminal summary (conftest).
+REPORT: dict[str, str] = {}
+
 # Folders that ship a template but no tokenizer.json: the sibling whose tokenizer they use.
 SIBLING_TOKENIZER = {
     "glm-4-9b-0414": "glm-4-32b-0414",

@@ -9,8 +9,9 @@ overrides, reasoning_effort, add_generation_prompt). Each request is counted by 
 (exact count and guaranteed bound, with one engine kind configured at a time) and by the
 reference (`chat_reference`: the engine's message rewriting, then transformers'
 apply_chat_template with tokenize=True). Any under-count fails; the largest over-count
-per template is printed, written to the terminal at the end of the module and to
-`<tokenizer cache>/chat-differential-report.txt`.
+per template is printed, and listed in the terminal summary and in
+`<tokenizer cache>/chat-differential-report.txt` (tests/tokens/conftest.py), with or
+without `-s`.
 
 Runtime (2 shared cores): ~140 s for 43 templates x 1,000 requests x 2 engine kinds, most of
 it transformers' render and tokenizer loading (once per template). KVPROXY_CHAT_DIFFERENTIAL_N
@@ -20,7 +21,6 @@ changes the number of requests per template.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 import pytest
 from chat_reference import (
+    REPORT,
     load_reference,
     model_dir,
     reference_count,
@@ -41,18 +42,18 @@ from kvproxy.prompt import parse_request
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind, content_formats
 from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.local import load_hf
-from kvproxy.tokens.testing import cache_root
 
 CONVERSATIONS = int(os.environ.get("KVPROXY_CHAT_DIFFERENTIAL_N", "1000"))
 MODELS = template_models()
-REPORT: dict[str, str] = {}
 
 _WORDS = ["hello", "world", "the", "data", "def", "x = 1", "数据", "テスト", "émoji 👩‍👩‍👧", "  "]
 _MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "\n\n"]
 
 
-def _text(rng: random.Random, big: bool = False) -> str:
-    n = rng.choice((0, 1, 3, 8, 20)) if not big else 200
+def _text(rng: random.Random) -> str:
+    if rng.random() < 0.002:  # past BIG_CHARS: the placeholder (fast) render path
+        return ("word " * 14_000) + rng.choice(_MARKERS)
+    n = rng.choice((0, 1, 3, 8, 20))
     parts = [rng.choice(_WORDS) for _ in range(n)]
     if rng.random() < 0.2:
         parts.insert(rng.randrange(len(parts) + 1), rng.choice(_MARKERS))
@@ -261,22 +262,3 @@ def test_no_under_count_against_transformers(model: str) -> None:
     print(line)
     assert not under, f"{model}: {len(under)} under-counts, first: {under[:5]}"
     assert stats.compared >= CONVERSATIONS // 2, line
-
-
-def _report_lines() -> list[str]:
-    return [REPORT[m] for m in sorted(REPORT)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _write_report(request: pytest.FixtureRequest) -> Any:
-    yield
-    if REPORT:
-        out = cache_root() / "chat-differential-report.txt"
-        lines = _report_lines()
-        with contextlib.suppress(OSError):
-            out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line("")
-            for line in lines:
-                reporter.write_line("chat differential: " + line)

@@ -5,8 +5,8 @@ and through `kvproxy serve` with a static pool set between the old count and the
 Families: (1) `reasoning` / `thinking` on an assistant turn; (2) chat_template_kwargs
 naming template variables (special tokens; arguments and globals are refused);
 (3) list content a template prints as a list; (4) parts that form a marker only when
-concatenated; (5) tool-call arguments the engine re-serialises; and tool definitions the engines dump
-from their models (None fields printed as null). Plus the everyday switch
+concatenated; (5) tool-call arguments the engine re-serialises; and tool definitions the
+engines dump from their models (None fields printed as null). Plus the everyday switch
 `enable_thinking: false` on Qwen-3, which must stay exact.
 """
 

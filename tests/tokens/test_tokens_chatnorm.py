@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from kvproxy.config import load_settings
+from kvproxy.errors import KvproxyError
 from kvproxy.prompt import parse_request
 from kvproxy.tokens import engine_kinds
 from kvproxy.tokens.chatnorm import (
@@ -187,3 +188,15 @@ def test_engine_kinds_from_settings(kinds: list[str], expected: tuple[str, ...])
         for i, k in enumerate(kinds)
     ]
     assert engine_kinds(load_settings(engines=engines)) == expected
+
+
+def test_a_variant_one_engine_cannot_render_does_not_refuse_the_request() -> None:
+    # SGLang hands this template bare function dicts: `t.function.name` fails there (SGLang
+    # refuses the request, renders nothing); vLLM's wrapped tools render.
+    tmpl = ChatTemplate("{% for t in tools %}{{ t.function.name }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "lookup"}}]
+    seq = parse_request("chat", orjson.dumps({"messages": PLAIN, "tools": tools})).prompts[0]
+    assert tmpl.render_all(seq) == (("lookup",),)
+    tmpl.engines = ("sglang",)
+    with pytest.raises(KvproxyError):
+        tmpl.render_all(seq)
