@@ -19,8 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvproxy.errors import invalid_request
-from kvproxy.prompt import PromptShape, Route, SequencePrompt, _chat, _json_text, _opt_int
+from kvproxy.prompt import PromptShape, Route, SequencePrompt
+from kvproxy.prompt_chat import _chat
 from kvproxy.prompt_only import PROMPT_ONLY
+from kvproxy.prompt_shape import _json_text, _opt_int
 
 # Fields naming context the engine or router stores and the proxy cannot see: the prompt the
 # engine would prefill is that stored history plus this request, of unknown size. Bounding

@@ -35,7 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvproxy.prompt import _ROUTES, Route, route_for_path
+from kvproxy.prompt import Route, route_for_path
+from kvproxy.prompt_shape import _ROUTES
 
 RouteKind = Literal["counted", "passthrough", "refused"]
 

@@ -177,6 +177,16 @@ def test_generate_shapes() -> None:
         ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 1000}, "n"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x"}], "continue_final_message": "y"},
+            "continue_final_message",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}},
+            "chat_template_kwargs.tools",
+        ),
         ("completions", {}, "prompt"),
         ("completions", {"prompt": []}, "prompt"),
         ("completions", {"prompt": ["a", 1]}, "prompt"),
@@ -198,6 +208,23 @@ def test_generate_shapes() -> None:
 def test_invalid_requests_name_the_field(route: str, body: Any, param: str | None) -> None:
     err = rejects(route, body)
     assert err.param == param
+
+
+def test_template_kwargs_gather_documents_and_reasoning_effort() -> None:
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "chat_template_kwargs": {"enable_thinking": False, "bos_token": "<b>"},
+        "documents": [{"title": "t", "text": "d"}],
+        "reasoning_effort": "high",
+    }
+    seq = parse_request("chat", orjson.dumps(body)).prompts[0]
+    # Special-token names stay (the template renders them as transformers does).
+    assert seq.template_kwargs == {
+        "enable_thinking": False,
+        "bos_token": "<b>",
+        "documents": [{"title": "t", "text": "d"}],
+        "reasoning_effort": "high",
+    }
 
 
 def test_deep_tools_are_refused_not_crashed() -> None:

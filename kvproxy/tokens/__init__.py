@@ -11,6 +11,7 @@ Public API (the proxy calls only these):
 `tiktoken:PATH` or `engine` (the engine's `/tokenize`). Modules:
 
     bounds     byte bounds (NFC rule), safe cut points, template-free overhead   (pure)
+    chatnorm   each engine's chat request normalisation (what the template sees)  (pure)
     templates  the model's chat template, rendered as engines render it           (pure)
     local      HF tokenizers and tiktoken, called from worker threads             (threads)
     engine     POST /tokenize on an SGLang or vLLM engine                         (aiohttp)
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvproxy.config import ConfigError, Settings
 from kvproxy.tokens.bounds import BoundRule
+from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
 from kvproxy.tokens.counter import CountMethod, TokenCount, TokenCounter
 from kvproxy.tokens.engine import (
     EngineTokenize,
@@ -92,6 +94,8 @@ def _counter(
     template: ChatTemplate | None,
     **kwargs: Any,
 ) -> TokenCounter:
+    if template is not None:
+        template.engines = engine_kinds(settings)
     return TokenCounter(
         bound_rule=rule,
         template=template,
@@ -101,6 +105,17 @@ def _counter(
         count_concurrency=settings.count_concurrency,
         **kwargs,
     )
+
+
+def engine_kinds(settings: Settings) -> tuple[EngineKind, ...]:
+    """Whose chat normalisation to count: the configured engines' kind when they all agree,
+    else both (a static pool, or a mix, could be either engine)."""
+    kinds = {e.kind for e in settings.engines}
+    if kinds == {"sglang"}:
+        return ("sglang",)
+    if kinds == {"vllm"}:
+        return ("vllm",)
+    return ENGINE_KINDS
 
 
 def _engine_from_settings(settings: Settings, session: Any) -> EngineTokenizer:
@@ -126,6 +141,7 @@ __all__ = [
     "TokenCount",
     "TokenCounter",
     "build_counter",
+    "engine_kinds",
     "load_hf",
     "load_tiktoken",
 ]

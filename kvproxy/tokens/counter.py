@@ -38,9 +38,10 @@ from kvproxy.errors import KvproxyError
 from kvproxy.prompt import CHAT_ROUTES, PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
+from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
 from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest
 from kvproxy.tokens.local import LocalTokenizer
-from kvproxy.tokens.templates import ChatTemplate, flattened_messages, joined_parts
+from kvproxy.tokens.templates import ChatTemplate
 
 CountMethod = Literal["bound", "exact", "engine"]
 T = TypeVar("T")
@@ -78,6 +79,9 @@ class _Plan:
     # Tokenized by an exact count: the rendered template's segments (one text), or the raw
     # strings (each its own text).
     texts: tuple[str, ...]
+    # Each further engine normalisation's render (segments), when they differ: the count is
+    # the largest (tokens.chatnorm).
+    others: tuple[tuple[str, ...], ...]
     rendered: bool
     # Added to any exact count: ids, media, specials, joins.
     fixed: int
@@ -215,22 +219,21 @@ class TokenCounter:
         # +1 per text: a ByteLevel pre-tokenizer may prepend a space.
         bound = bounds.texts_bound(seq.texts, self._rule) + len(seq.texts) + fixed
         exact = len(seq.texts) <= 1 and not (seq.images or seq.audios)
-        return _Plan(seq, False, bound, seq.texts, False, fixed, exact)
+        return _Plan(seq, False, bound, seq.texts, (), False, fixed, exact)
 
     def _plan_chat(self, seq: SequencePrompt) -> _Plan:
         media = self._media(seq)
         if self._template is not None:
-            segments = self._template.render_segments(seq)
-            joins = joined_parts(seq)
-            fixed = media + joins
-            bound = bounds.segments_bound(segments, self._rule) + fixed
-            exact = joins == 0 and media == 0
-            return _Plan(seq, True, bound, segments, True, fixed, exact)
+            # One render per distinct engine normalisation; plain role/content chats on a
+            # "string"-format template (the common case) have exactly one.
+            first, *others = self._template.render_all(seq)
+            bound = max(bounds.segments_bound(r, self._rule) for r in (first, *others)) + media
+            return _Plan(seq, True, bound, first, tuple(others), True, media, media == 0)
         texts = (*seq.texts, seq.template_kwargs_json)
         tools = bounds.text_bound(seq.tools_json, self._rule) if seq.tools else None
-        overhead = bounds.chat_overhead_bound(seq.message_count, tools)
+        overhead = bounds.chat_overhead_bound(seq.message_count, tools) + _unseen_bytes(seq)
         bound = bounds.texts_bound(texts, self._rule) + overhead + media
-        return _Plan(seq, True, bound, texts, False, media, False)
+        return _Plan(seq, True, bound, texts, (), False, media, False)
 
     # --- exact counts ---------------------------------------------------------------------
 
@@ -239,13 +242,14 @@ class TokenCounter:
         out = []
         for p in plans:
             if p.rendered:
-                n, exact = self._local.count_segments(p.texts)
+                n, exact = max(self._local.count_segments(r) for r in (p.texts, *p.others))
             else:
                 n, exact = self._local.count(p.texts)
             n += p.fixed
             if p.chat and not p.rendered:
                 tools = self._local.count((p.seq.tools_json,))[0] if p.seq.tools else None
                 n += bounds.chat_overhead_bound(p.seq.message_count, tools)
+                n += _unseen_bytes(p.seq)
             elif not p.chat and p.texts:
                 # The plan charged the unknown-tokenizer specials; use this tokenizer's own.
                 n += self._local.special_tokens - self._specials
@@ -265,20 +269,23 @@ class TokenCounter:
                 specials = self._specials if plan.texts else 0
                 return sum(counts) + plan.fixed - specials, plan.exact
             if plan.rendered:
-                # Joining a multi-megabyte render is a long GIL-holding copy: not on the loop.
-                prompt = await asyncio.to_thread("".join, plan.texts)
-                req = EngineTokenizeRequest(prompt=prompt, add_special_tokens=False)
-                return await engine(req) + plan.fixed, plan.exact
+                counts = []
+                for render in (plan.texts, *plan.others):
+                    # Joining a multi-megabyte render is a long GIL-holding copy: not on the loop.
+                    prompt = await asyncio.to_thread("".join, render)
+                    req = EngineTokenizeRequest(prompt=prompt, add_special_tokens=False)
+                    counts.append(await engine(req))
+                return max(counts) + plan.fixed, plan.exact
             if engine.accepts_messages:
+                # The engine normalises the messages itself: send them as the client did.
                 seq = plan.seq
                 req = EngineTokenizeRequest(
-                    messages=flattened_messages(seq),
+                    messages=list(seq.messages),
                     tools=list(seq.tools) if seq.tools else None,
                     add_generation_prompt=seq.add_generation_prompt,
                     chat_template_kwargs=seq.template_kwargs or None,
                 )
-                joins = joined_parts(seq)
-                return await engine(req) + plan.fixed + joins, joins == 0 and plan.fixed == 0
+                return await engine(req) + plan.fixed, plan.fixed == 0
             return await self._engine_fields(engine, plan), False
         except (KvproxyError, asyncio.CancelledError):
             raise
@@ -295,6 +302,29 @@ class TokenCounter:
             req = EngineTokenizeRequest(prompt=seq.tools_json, add_special_tokens=False)
             tools = await engine(req)
         return n + bounds.chat_overhead_bound(seq.message_count, tools) + plan.fixed
+
+
+def _unseen_bytes(seq: SequencePrompt) -> int:
+    """Template-free bound: what the raw strings in `seq.texts` do not cover.
+
+    Special-token overrides in chat_template_kwargs may be printed once per message and once
+    around them (transformers lets them replace bos_token and the like); tool-call
+    arguments are parsed by both engines and printed re-serialised (", " and ": "
+    separators, ASCII escapes or Python's repr of the parsed value), which can be longer
+    than the string the client sent (counted once in `texts`)."""
+    extra = 0
+    for key in SPECIAL_TOKEN_KEYS:
+        if key in seq.template_kwargs:
+            value = bounds.utf8_len(str(seq.template_kwargs[key]))
+            extra += 3 * value * (seq.message_count + 1)
+    for m in seq.messages:
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str) and args:
+                extra += bounds.TOOLS_INDENT_FACTOR * reserialised_bytes(args)
+    return extra
 
 
 def _guarded(fn: Callable[..., T], *args: Any) -> T:

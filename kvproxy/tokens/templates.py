@@ -6,9 +6,11 @@ extensions=["jinja2.ext.loopcontrols"])`, helpers `tojson`, `raise_exception`,
 `strftime_now`, and the tokenizer's `bos_token` / `eos_token`. The sandbox matters: a
 template is code, and the messages it loops over are attacker-controlled.
 
-Content parts are flattened the way vLLM does for string-content templates: text parts
-joined with a newline. Media parts render as nothing here; the counter charges their
-configured token cost instead.
+The template sees the messages each configured engine would hand it (`chatnorm`: reasoning
+aliases, parsed tool-call arguments, content parts joined or kept as a list per the
+template's content format), with every special token and the request's template kwargs
+as transformers passes them. Media parts render as the engines' `{"type": "image"}`
+stand-ins; the counter charges their configured token cost on top.
 
 Big strings (>= BIG_CHARS) are rendered as *placeholders*: the template sees a short marker
 that answers `len`, `in`, `startswith`, `endswith` and `==` from the real text, and the
@@ -27,7 +29,7 @@ template's message, which may quote the conversation (I8). This module never log
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import functools
 import json
 import operator
@@ -42,8 +44,13 @@ import jinja2.compiler
 import jinja2.nodes
 import jinja2.sandbox
 
-from kvproxy.errors import invalid_request
+from kvproxy.errors import KvproxyError, invalid_request
 from kvproxy.prompt import SequencePrompt
+from kvproxy.tokens import chatnorm
+from kvproxy.tokens.chatnorm import ENGINE_KINDS, SPECIAL_TOKEN_KEYS, EngineKind
+from kvproxy.tokens.sandbox import Sandbox as _Sandbox
+from kvproxy.tokens.sandbox import environment as _environment
+from kvproxy.tokens.sandbox import tojson as _tojson
 
 TEMPLATE_FILES = ("chat_template.jinja",)
 # Strings at least this long are rendered as placeholders (see module docstring).
@@ -51,13 +58,19 @@ BIG_CHARS = 65_536
 # Filters that never look inside a string: everything else refuses a placeholder.
 _PLACEHOLDER_SAFE_FILTERS = frozenset({"length", "count", "string", "default", "d", "tojson"})
 _PROXIED = frozenset({"startswith", "endswith", "find", "rfind", "count", "isspace"})
-_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class ChatTemplate:
     """A compiled chat template plus the special-token strings it may print."""
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = ""):
+    def __init__(
+        self,
+        source: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        origin: str = "",
+        special_tokens: Mapping[str, str] | None = None,
+    ):
         self._marker = "\ue000" + secrets.token_hex(8)
         env = _environment(_Sandbox)
         guarded = _environment(_GuardedEnvironment)
@@ -75,9 +88,17 @@ class ChatTemplate:
             self._guarded = guarded.from_string(source)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template {origin or ''} does not compile: {exc}") from None
-        self.bos_token = bos_token
-        self.eos_token = eos_token
+        # Every special token transformers hands the template (request kwargs override them).
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v}
+        self.special_tokens.setdefault("bos_token", bos_token)
+        self.special_tokens.setdefault("eos_token", eos_token)
+        self.bos_token = self.special_tokens["bos_token"]
+        self.eos_token = self.special_tokens["eos_token"]
         self.origin = origin
+        self.content_formats = chatnorm.content_formats(source)
+        # The engine kinds whose normalisation is counted (build_counter narrows it from the
+        # configured engines); the default covers both.
+        self.engines: tuple[EngineKind, ...] = ENGINE_KINDS
 
     @classmethod
     def from_file(cls, path: str | Path, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
@@ -89,22 +110,48 @@ class ChatTemplate:
             return found
         return cls(p.read_text(encoding="utf-8"), bos_token, eos_token, origin=str(p))
 
+    def variants(self, seq: SequencePrompt) -> list[chatnorm.Variant]:
+        """(messages, tools) as the configured engines hand them to the template (chatnorm)."""
+        return chatnorm.template_variants(
+            seq.messages, seq.tools, self.engines, self.content_formats
+        )
+
     def render(self, seq: SequencePrompt) -> str:
-        """The exact prompt string the engine tokenizes for this chat sequence."""
-        return self._render(self._template, seq, [_flatten(m) for m in seq.messages])
+        """The prompt string the first configured engine tokenizes for this chat sequence."""
+        return self._render(self._template, seq, *self.variants(seq)[0])
+
+    def render_all(self, seq: SequencePrompt) -> tuple[tuple[str, ...], ...]:
+        """Segments of each engine's render (count the largest; usually there is one).
+
+        A variant the template cannot render is one that engine refuses (it renders and
+        sends nothing): it is skipped while another engine's variant renders."""
+        variants = self.variants(seq)
+        if len(variants) == 1:
+            return (self._segments(seq, *variants[0]),)
+        renders: list[tuple[str, ...]] = []
+        for v in variants:
+            with contextlib.suppress(KvproxyError):
+                renders.append(self._segments(seq, *v))
+        if not renders:  # every engine refuses: raise the first one's 400 (error path only)
+            return (self._segments(seq, *variants[0]),)
+        return tuple(renders)
 
     def render_segments(self, seq: SequencePrompt) -> tuple[str, ...]:
-        """The same prompt as segments whose concatenation equals `render(seq)`."""
-        messages = [_flatten(m) for m in seq.messages]
+        """The first engine's prompt as segments whose concatenation equals `render(seq)`."""
+        return self._segments(seq, *self.variants(seq)[0])
+
+    def _segments(
+        self, seq: SequencePrompt, messages: list[dict[str, Any]], tools: list[Any] | None
+    ) -> tuple[str, ...]:
         reals: list[str] = []
         marked = [self._mark(m, reals) for m in messages]
         if not reals:
-            return (self._render(self._template, seq, messages),)
+            return (self._render(self._template, seq, messages, tools),)
         try:
-            out = self._render(self._guarded, seq, marked)
+            out = self._render(self._guarded, seq, marked, tools)
             return self._splice(out, reals)
         except _NeedsReal:
-            return (self._render(self._template, seq, messages),)
+            return (self._render(self._template, seq, messages, tools),)
 
     def _mark(self, message: dict[str, Any], reals: list[str]) -> dict[str, Any]:
         out = dict(message)
@@ -112,10 +159,19 @@ class ChatTemplate:
             if isinstance(value, str) and len(value) >= BIG_CHARS:
                 out[key] = _Placeholder(f"{self._marker}{len(reals)}\ue001", value)
                 reals.append(value)
+        content = message.get("content")
+        if isinstance(content, list) and any(_big_text(p) for p in content):
+            out["content"] = [self._mark_part(p, reals) for p in content]
         calls = message.get("tool_calls")
         if isinstance(calls, list) and any(_big_arguments(c) for c in calls):
             out["tool_calls"] = [self._mark_call(c, reals) for c in calls]
         return out
+
+    def _mark_part(self, part: Any, reals: list[str]) -> Any:
+        if not _big_text(part):
+            return part
+        reals.append(part["text"])
+        return {**part, "text": _Placeholder(f"{self._marker}{len(reals) - 1}\ue001", part["text"])}
 
     def _mark_call(self, call: Any, reals: list[str]) -> Any:
         if not _big_arguments(call):
@@ -141,19 +197,21 @@ class ChatTemplate:
         return tuple(segments)
 
     def _render(
-        self, template: jinja2.Template, seq: SequencePrompt, messages: list[dict[str, Any]]
+        self,
+        template: jinja2.Template,
+        seq: SequencePrompt,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
     ) -> str:
-        kwargs: dict[str, Any] = {
-            k: v for k, v in seq.template_kwargs.items() if k not in _RESERVED
-        }
+        # As transformers: the request's kwargs override the special tokens (the parser has
+        # refused kwargs that name apply_chat_template's own arguments or template globals).
+        kwargs: dict[str, Any] = {"documents": None, **self.special_tokens, **seq.template_kwargs}
         try:
             return template.render(
                 **kwargs,
                 messages=messages,
-                tools=list(seq.tools) if seq.tools else None,
+                tools=tools,
                 add_generation_prompt=seq.add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
             )
         except _NeedsReal:
             raise
@@ -164,42 +222,6 @@ class ChatTemplate:
                 "(check roles, their order and required fields)",
                 "messages",
             ) from None
-
-
-def _environment(cls: type[jinja2.sandbox.ImmutableSandboxedEnvironment]) -> Any:
-    env = cls(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """jinja2's immutable sandbox, with its safety verdict per attribute memoised.
-
-    The sandbox asks `is_safe_attribute` on every attribute access, and its answer is
-    decided by the object's type and the attribute name alone (leading underscores,
-    internal attributes of functions, frames and code, mutating methods of the known
-    mutable ABCs, all isinstance checks): a third of rendering Qwen-3's template for a
-    two-message chat went there. Memoising by (type, name) keeps every verdict the sandbox
-    gives and cut that render from ~150 to ~95 µs. Names can come from request data
-    (`obj[key]`), so the memo is bounded.
-    """
-
-    _MEMO_MAX = 4096
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._verdicts: dict[tuple[type, str], bool] = {}
-
-    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        key = (type(obj), attr)
-        verdict = self._verdicts.get(key)
-        if verdict is None:
-            verdict = super().is_safe_attribute(obj, attr, value)
-            if len(self._verdicts) < self._MEMO_MAX:
-                self._verdicts[key] = verdict
-        return verdict
 
 
 class _NeedsReal(Exception):
@@ -379,45 +401,14 @@ def _guarded_tojson(marker: str) -> Any:
     return tojson
 
 
+def _big_text(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(t := part.get("text"), str) and len(t) >= BIG_CHARS
+
+
 def _big_arguments(call: Any) -> bool:
     fn = call.get("function") if isinstance(call, dict) else None
     args = fn.get("arguments") if isinstance(fn, dict) else None
     return isinstance(args, str) and len(args) >= BIG_CHARS
-
-
-def flattened_messages(seq: SequencePrompt) -> list[dict[str, Any]]:
-    """Messages as the template sees them (also what vLLM's /tokenize is sent)."""
-    return [_flatten(m) for m in seq.messages]
-
-
-def joined_parts(seq: SequencePrompt) -> int:
-    """How many newline joins flattening added (each may shift a merge by a token)."""
-    joins = 0
-    for m in seq.messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            joins += max(0, sum(1 for p in content if _part_text(p) is not None) - 1)
-    return joins
-
-
-def _flatten(message: Mapping[str, Any]) -> dict[str, Any]:
-    content = message.get("content")
-    if not isinstance(content, list):
-        return dict(message)
-    texts = [t for t in (_part_text(p) for p in content) if t is not None]
-    return {**message, "content": "\n".join(texts)}
-
-
-def _part_text(part: Any) -> str | None:
-    if isinstance(part, str):
-        return part
-    if isinstance(part, dict):
-        kind = part.get("type")
-        if kind in ("text", "input_text"):
-            return str(part.get("text", ""))
-        if kind == "refusal":
-            return str(part.get("refusal", ""))
-    return None
 
 
 def from_tokenizer_dir_files(config_path: Path, template_path: Path | None) -> ChatTemplate | None:
@@ -425,15 +416,17 @@ def from_tokenizer_dir_files(config_path: Path, template_path: Path | None) -> C
     config: dict[str, Any] = {}
     if config_path.is_file():
         config = json.loads(config_path.read_text(encoding="utf-8"))
-    bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+    specials = {k: _token_text(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
+    bos, eos = specials["bos_token"], specials["eos_token"]
     if template_path is not None and template_path.is_file():
-        return ChatTemplate(template_path.read_text(encoding="utf-8"), bos, eos, str(template_path))
+        text = template_path.read_text(encoding="utf-8")
+        return ChatTemplate(text, bos, eos, str(template_path), specials)
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: transformers uses "default"
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
     if isinstance(source, str) and source:
-        return ChatTemplate(source, bos, eos, str(config_path))
+        return ChatTemplate(source, bos, eos, str(config_path), specials)
     return None
 
 
@@ -446,31 +439,15 @@ def _token_text(value: Any) -> str:
     return ""
 
 
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-    sort_keys: bool = False,
-) -> str:  # fmt: skip
-    # transformers' tojson: no HTML escaping, unlike jinja2's own filter.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
 def load_template(path: str | None, fallback: ChatTemplate | None) -> ChatTemplate | None:
     """An explicit template file wins over the one shipped with the tokenizer."""
     if path is None:
         return fallback
-    bos = fallback.bos_token if fallback else ""
-    eos = fallback.eos_token if fallback else ""
-    return ChatTemplate.from_file(path, bos, eos)
+    if fallback is None:
+        return ChatTemplate.from_file(path)
+    found = ChatTemplate.from_file(path, fallback.bos_token, fallback.eos_token)
+    found.special_tokens = {**fallback.special_tokens, **found.special_tokens}
+    return found
 
 
-__all__: Sequence[str] = ["ChatTemplate", "flattened_messages", "joined_parts", "load_template"]
+__all__: Sequence[str] = ["ChatTemplate", "load_template"]

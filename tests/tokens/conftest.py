@@ -3,14 +3,16 @@ and one byte-level BPE trained here (GPT-2 split regex + an NFC normalizer, a th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from chat_reference import REPORT
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from kvproxy.tokens.local import HfTokenizer, load_hf
-from kvproxy.tokens.testing import real_tokenizer_dir
+from kvproxy.tokens.testing import cache_root, real_tokenizer_dir
 
 REAL_MODELS = ("qwen-3", "glm-4", "deepseek-v3")
 
@@ -68,3 +70,17 @@ def whole_count() -> Callable[[HfTokenizer, str], int]:
         return len(tok.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0])
 
     return count
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The chat differential suite's largest over-count per template (shown without -s)."""
+    if not REPORT:
+        return
+    lines = [REPORT[m] for m in sorted(REPORT)]
+    terminalreporter.section("chat differential: kvproxy vs transformers, per template")
+    for line in lines:
+        terminalreporter.write_line(line)
+    path = cache_root() / "chat-differential-report.txt"
+    with contextlib.suppress(OSError):
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        terminalreporter.write_line(f"(also in {path})")

@@ -241,13 +241,13 @@ async def test_large_shapes_are_planned_off_the_loop() -> None:
     loop_thread = threading.get_ident()
     seen: list[int] = []
     tmpl = ChatTemplate("{{ messages[0].content }}")
-    original = tmpl.render_segments
+    original = tmpl.render_all
 
-    def spy(seq: object) -> tuple[str, ...]:
+    def spy(seq: object) -> tuple[tuple[str, ...], ...]:
         seen.append(threading.get_ident())
         return original(seq)  # type: ignore[arg-type]
 
-    tmpl.render_segments = spy  # type: ignore[method-assign]
+    tmpl.render_all = spy  # type: ignore[method-assign]
     c = TokenCounter(bound_rule="nfc", template=tmpl)
     try:
         await c.count(chat("small"), 10**9)

@@ -59,7 +59,8 @@ async def test_vllm_gets_messages() -> None:
     got = await _count(engine, chat_shape())
     assert (got.tokens, got.method, got.exact) == (7, "engine", True)
     (req,) = engine.requests
-    assert req.messages == [{"role": "user", "content": "hi"}]
+    # As the client sent them: the engine applies its own normalisation (tokens.chatnorm).
+    assert req.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     assert req.add_generation_prompt
 
 
