@@ -47,6 +47,9 @@ class PromptCount:
     output_tokens: int | None  # requested max output per sequence, None if unset
     n: int  # parallel samples per sequence
     param: str  # request field the prompt came from, for the error body
+    # True: counting stopped once `tokens` was over the limit; the prompt has at least that
+    # many (the decision, not the number, is what admission needs).
+    at_least: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +82,12 @@ def decide(count: PromptCount, limits: LimitsView, policy: Policy) -> Decision:
 
     if count.tokens > limit:
         why = limits.why
-        if not count.exact:
+        if not count.exact and not count.at_least:
             why += "; counted by a byte bound, configure KVPROXY_TOKENIZER for exact counts"
         return Reject(
-            errors.context_length_exceeded(count.tokens, limit, limits.source, count.param, why)
+            errors.context_length_exceeded(
+                count.tokens, limit, limits.source, count.param, why, at_least=count.at_least
+            )
         )
 
     decode_limit = limits.decode_limit_tokens

@@ -140,6 +140,7 @@ async def _handle(
         streaming = shape.stream
         extra["X-Kvproxy-Decision"] = "admitted"
         extra["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
+        extra["X-Kvproxy-Prompt-Tokens-Kind"] = rec.prompt_tokens_kind or "exact"
         try:
             lease = await state.budget.acquire(verdict.prompt_tokens)
         except KvproxyError as err:
@@ -216,7 +217,10 @@ async def _admit(
     m.prompt_tokens.labels(count.method).observe(count.tokens)
     rec.prompt_tokens = count.tokens
     rec.count_method = count.method
-    verdict = _decide(state, shape, count.tokens, count.method, count.exact, limits)
+    rec.prompt_tokens_kind = count.kind
+    verdict = _decide(
+        state, shape, count.tokens, count.method, count.exact, limits, at_least=count.at_least
+    )
     if isinstance(verdict, admission.Reject):
         return verdict.error
     return shape, verdict
@@ -244,6 +248,8 @@ def _decide(
     method: admission.CountMethod,
     exact: bool,
     limits: admission.LimitsView,
+    *,
+    at_least: bool = False,
 ) -> admission.Decision:
     count = admission.PromptCount(
         tokens=tokens,
@@ -252,6 +258,7 @@ def _decide(
         output_tokens=shape.max_output_tokens,
         n=shape.n,
         param=shape.prompt_param,
+        at_least=at_least,
     )
     s = state.settings
     return admission.decide(
@@ -285,6 +292,7 @@ def _reject(
     headers["X-Kvproxy-Decision"] = "rejected"
     if rec.prompt_tokens is not None:
         headers["X-Kvproxy-Prompt-Tokens"] = str(rec.prompt_tokens)
+        headers["X-Kvproxy-Prompt-Tokens-Kind"] = rec.prompt_tokens_kind or "exact"
     return error_response(err, headers, style)
 
 

