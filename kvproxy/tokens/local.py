@@ -271,6 +271,11 @@ def load_hf_json(path: str | Path) -> tuple[HfTokenizer, str]:
     raw = _read_maybe_zipped(p).decode("utf-8")
     spec = json.loads(raw)
     tok = Tokenizer.from_str(raw)
+    # A tokenizer.json may preset truncation (an under-count: I1) or padding (batches padded
+    # to their longest chunk: an over-count). Engines call the tokenizer with both off
+    # (transformers disables them per call unless asked), so counting does too.
+    tok.no_truncation()
+    tok.no_padding()
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text("utf-8")) if config_path.is_file() else {}
     template = from_tokenizer_dir_files(config_path, directory / "chat_template.jinja")
