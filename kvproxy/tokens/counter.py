@@ -138,6 +138,8 @@ class TokenCounter:
         )
         self._description = description
         self.method: CountMethod = "exact" if local else ("engine" if engine else "bound")
+        # Off only in benchmarks that time a whole count (bench/decision_latency.py).
+        self.early_stop = True
         # Which library counts (the kvproxy_tokenizer_backend gauge's label).
         self.backend = backend or str(
             getattr(local, "backend", "local") if local else ("engine" if engine else "bytes")
@@ -261,7 +263,8 @@ class TokenCounter:
             elif not p.chat and p.texts:
                 # The plan charged the unknown-tokenizer specials; use this tokenizer's own.
                 added = p.fixed + local.special_tokens - self._specials
-            got = self._local_count(local, p, None if added is None else admit_at_most - added)
+            budget = admit_at_most - added if added is not None and self.early_stop else None
+            got = self._local_count(local, p, budget)
             n = got.tokens + (p.fixed if added is None else added)
             if added is None:
                 tools = local.count((p.seq.tools_json,))[0] if p.seq.tools else None
