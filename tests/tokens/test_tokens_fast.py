@@ -141,13 +141,13 @@ def _documents() -> dict[str, str]:
         f"def f{i}(x: int, y=[{i}, {i * 7}]) -> dict:\n    # comment {i}\n"
         f'    return {{"k{i}": x ** {i % 5} + y[0], \'s\': "a\\tb\\n"}}  # noqa\n\n'
         f"\tif x != {i}:\n\t\tpass\n}}{{\n"
-        for i in range(1_200)
+        for i in range(800)
     )
     json_doc = (
         "["
         + ",".join(
             f'{{"id":{i},"name":"user_{i}","tags":["a","b"],"score":{i * 3.14159:.5f},"ok":true}}'
-            for i in range(2_000)
+            for i in range(1_200)
         )
         + "]"
     )
@@ -157,7 +157,7 @@ def _documents() -> dict[str, str]:
         for i in range(200)
     )
     return {
-        "prose": prose(200_000),
+        "prose": prose(120_000),
         "code": code,
         "json": json_doc,
         "chat-like": chat_like,
@@ -315,7 +315,7 @@ hypothesis_texts = st.one_of(
 
 
 @settings(
-    max_examples=40,
+    max_examples=25,
     deadline=None,
     derandomize=True,
     database=None,
