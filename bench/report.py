@@ -100,9 +100,17 @@ GOALS = (
     Goal(
         "4 MB prompt decided, exact count",
         " ms",
-        300,
+        150,
         False,
         lambda r: _method_ms(r, "kvproxy", "exact"),
+    ),
+    Goal(
+        "4 MB near-limit exact count, kvproxy / HF encode of the same text",
+        "×",
+        0.2,
+        False,
+        lambda r: _get(r, "decision_latency", "near_limit", "ratio"),
+        "bench/decision_latency.py prints it (in-process, pinned like the server)",
     ),
     Goal(
         "small p99 while 4 MB prompts are counted / idle p99",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.metadata as md
+import json
 import shlex
 import shutil
 import statistics
@@ -311,7 +312,11 @@ class Bench:
             self.notes.append(
                 f"decision_latency.py exited {done.returncode}: " + done.stderr.strip()[-300:]
             )
-        return {"command": shlex.join(cmd), "output": done.stdout[-4000:]}
+        out: dict[str, Any] = {"command": shlex.join(cmd), "output": done.stdout[-4000:]}
+        for line in done.stdout.splitlines():
+            if line.startswith("near_limit_json "):
+                out["near_limit"] = json.loads(line.removeprefix("near_limit_json "))
+        return out
 
     def mixed(self, chat: Upstream, saturated_rps: float | None) -> dict[str, Any] | None:
         # A quarter of what kvproxy sustained on this machine in this run: far enough from

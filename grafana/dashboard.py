@@ -324,6 +324,20 @@ REJECTIONS = Row(
             unit="short",
             overrides=(right_axis("over bound (/s)", "reqps"), styled("over bound (/s)", "red")),
         ),
+        Panel(
+            "Tokenizer backend in use (pods)",
+            "timeseries",
+            "Pods counting exactly with each library. fastokens counts only after it agreed "
+            "with HF tokenizers on the start-up probe corpus; a pod showing hf where fastokens "
+            "was expected logged one warning line saying why (disagreement or load failure).",
+            (
+                Query(
+                    f"sum by (backend) ({sel('kvproxy_tokenizer_backend')})",
+                    "{{backend}}",
+                ),
+            ),
+            unit="short",
+        ),
     ),
 )
 

@@ -57,6 +57,10 @@ class PromptCount:
     def total(self) -> int:
         return self.tokens if self.total_tokens is None else self.total_tokens
 
+    # True: counting stopped once `tokens` was over the limit; the prompt has at least that
+    # many (the decision, not the number, is what admission needs).
+    at_least: bool = False
+
 
 @dataclass(frozen=True, slots=True)
 class Admit:
@@ -94,10 +98,12 @@ def decide(count: PromptCount, limits: LimitsView, policy: Policy) -> Decision:
 
     if count.tokens > limit:
         why = limits.why
-        if not count.exact:
+        if not count.exact and not count.at_least:
             why += "; counted by a byte bound, configure KVPROXY_TOKENIZER for exact counts"
         return Reject(
-            errors.context_length_exceeded(count.tokens, limit, limits.source, count.param, why)
+            errors.context_length_exceeded(
+                count.tokens, limit, limits.source, count.param, why, at_least=count.at_least
+            )
         )
 
     decode_limit = limits.decode_limit_tokens

@@ -121,6 +121,7 @@ class KvproxyServer:
         for canary in s.canaries:
             self.metrics.canary_violations.labels(canary.tenant)
         log.info("token counting: %s", counter.describe())
+        self.metrics.set_tokenizer_backend(counter.backend)
         await capacity.start()
         state.watcher.start()
         state.lag.start()

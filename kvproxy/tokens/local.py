@@ -1,4 +1,5 @@
-"""Exact counters that run in this process: HF `tokenizers` and tiktoken.
+"""Exact counters that run in this process: HF `tokenizers` and tiktoken (fastokens, the
+fast backend verified against HF at start-up, lives in `fast` and reuses HfTokenizer).
 
 Both are called only from worker threads (never on the event loop) and only through calls
 that release the GIL: HF's `encode_batch_fast` (its plain `encode` holds the GIL for
@@ -12,6 +13,7 @@ Loading inspects the tokenizer once to decide what the byte bound may assume:
     the counter never admits on the bound and always counts exactly (I1).
 tiktoken panics (`pyo3_runtime.PanicException`, a BaseException) on ~1 M identical
 whitespace characters; chunking avoids most of it and the counter turns the rest into a 503.
+Counts that may stop early (`count_until`) stop once the decision is known; see `_encode`.
 
 Nothing here logs or returns text.
 """
@@ -27,7 +29,7 @@ import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
 from kvproxy.tokens.bounds import (
     EXACT_CHUNK_CHARS,
@@ -43,7 +45,8 @@ from kvproxy.tokens.templates import ChatTemplate, from_tokenizer_dir_files
 # freeing its results (HF keeps a Python-owned Encoding per chunk, one String per token)
 # happens with the GIL held, so a batch must stay small: 4 MB at once froze the loop 40 ms.
 BATCH_CHUNKS = 8
-# Largest bound of one uncuttable chunk that is still encoded (see _Tally): ~6 ms to free.
+# Largest bound of one uncuttable chunk HF still encodes (see HfTokenizer._charge): ~6 ms
+# to free its result.
 UNCUT_TOKENS_MAX = 524_288
 # cl100k/o200k-era split regex (also Qwen's tiktoken files): tiktoken files carry ranks only.
 TIKTOKEN_PATTERN = (
@@ -54,36 +57,15 @@ TIKTOKEN_PATTERN = (
 
 # (tokens, exact): exact is False when an uncuttable stretch was charged its bound instead.
 Counted = tuple[int, bool]
+# What a count that may stop early returns: "exact"; "upper" (a guaranteed upper bound: a
+# stretch was charged its byte bound, or counting stopped once the rest's bound fitted);
+# "lower" (counting stopped once the tokens counted so far exceeded the budget).
+CountKind = Literal["exact", "upper", "lower"]
 
 
-class _Tally:
-    """Sums chunk counts; charges an uncuttable giant chunk its bound instead of encoding it.
-
-    The tokenizer's result objects are freed with the GIL held (HF: one Rust String per
-    token, ~11 ms per million; tiktoken: a list of ints). Chunks are small wherever the text
-    can be cut; a stretch that cannot be cut and whose bound exceeds UNCUT_TOKENS_MAX
-    (hostile: 1 M spaces, 400 K x U+0F73) is charged its guaranteed bound, which keeps I1.
-    """
-
-    def __init__(self, rule: BoundRule | None) -> None:
-        self.rule = rule
-        self.tokens = 0
-        self.exact = True
-
-    def oversized(self, chunk: str) -> bool:
-        # Up to 4 UTF-8 bytes per character, times the NFC factor: below that, no check needed.
-        if self.rule is None or len(chunk) * 4 * NFC_MAX_EXPANSION <= UNCUT_TOKENS_MAX:
-            return False
-        bound = text_bound(chunk, self.rule)
-        if bound <= UNCUT_TOKENS_MAX:
-            return False
-        self.tokens += bound
-        self.exact = False
-        return True
-
-    @property
-    def result(self) -> Counted:
-        return self.tokens, self.exact
+class Partial(NamedTuple):
+    tokens: int
+    kind: CountKind
 
 
 class LocalTokenizer(Protocol):
@@ -106,8 +88,20 @@ class LocalTokenizer(Protocol):
     def describe(self) -> str: ...
 
 
+@runtime_checkable
+class EarlyStopping(Protocol):
+    """A LocalTokenizer that can stop once the decision is known (see `HfTokenizer._encode`)."""
+
+    def count_until(self, texts: Sequence[str], budget: int) -> Partial: ...
+
+    def count_segments_until(self, segments: Sequence[str], budget: int) -> Partial: ...
+
+
 @dataclass
 class HfTokenizer:
+    """HF `tokenizers` (the reference), chunked and batched; also the base of the fastokens
+    backend (`kvproxy.tokens.fast`), which differs only in the call that encodes a batch."""
+
     tokenizer: Any
     bound_rule: BoundRule | None
     special_tokens: int
@@ -115,21 +109,84 @@ class HfTokenizer:
     chunkable: bool
     origin: str
     chunk_chars: int = EXACT_CHUNK_CHARS
+    # Which library counts: the `kvproxy_tokenizer_backend` label.
+    backend: ClassVar[str] = "hf"
+    # Largest bound of an uncuttable chunk that is still encoded (see `_charge`); None:
+    # every chunk is encoded.
+    uncut_tokens_max: ClassVar[int | None] = UNCUT_TOKENS_MAX
 
     def count(self, texts: Sequence[str]) -> Counted:
-        return self._encode(self._chunks(texts))
+        got = self._encode(list(self._chunks(texts)), None)
+        return got.tokens, got.kind == "exact"
 
     def count_segments(self, segments: Sequence[str]) -> Counted:
-        if self.chunkable:
-            return self._encode(segment_chunks(segments, self.chunk_chars))
-        return self._encode(iter(("".join(segments),)))
+        got = self._encode(self._segment_chunks(segments), None)
+        return got.tokens, got.kind == "exact"
 
-    def _encode(self, chunks: Iterator[str]) -> Counted:
-        tally = _Tally(self.bound_rule)
-        for batch in _batches(c for c in chunks if not tally.oversized(c)):
-            encodings = self.tokenizer.encode_batch_fast(batch, add_special_tokens=False)
-            tally.tokens += sum(len(e) for e in encodings)
-        return tally.result
+    def count_until(self, texts: Sequence[str], budget: int) -> Partial:
+        return self._encode(list(self._chunks(texts)), budget)
+
+    def count_segments_until(self, segments: Sequence[str], budget: int) -> Partial:
+        return self._encode(self._segment_chunks(segments), budget)
+
+    def _encode(self, chunks: list[str], budget: int | None) -> Partial:
+        """Count `chunks` batch by batch; with a `budget`, stop as soon as the answer to
+        "more than `budget` tokens?" is known.
+
+        Chunked counts equal whole counts (`exact_chunks`), and each chunk's tokens are at
+        most its own byte bound, so after each batch:
+          * tokens counted exactly so far > budget: the whole is over it too ("lower");
+          * so far + the bound of every chunk still to come <= budget: it fits ("upper").
+        The rest's bound is computed only once its length alone could fit (a bound is never
+        below the character count), so the check costs nothing on the way.
+        """
+        counted = charged = 0
+        rest_chars = sum(len(c) for c in chunks)
+        upper = False
+        i, n = 0, len(chunks)
+        while i < n:
+            batch: list[str] = []
+            while i < n and len(batch) < BATCH_CHUNKS:
+                c = chunks[i]
+                i += 1
+                rest_chars -= len(c)
+                bound = self._charge(c)
+                if bound is None:
+                    batch.append(c)
+                else:
+                    charged += bound
+                    upper = True
+            if batch:
+                counted += self._batch_tokens(batch)
+            if budget is None or i >= n:
+                continue
+            if counted > budget:
+                return Partial(counted, "lower")
+            if self.bound_rule is not None and counted + charged + rest_chars <= budget:
+                rest = sum(text_bound(c, self.bound_rule) for c in chunks[i:])
+                if counted + charged + rest <= budget:
+                    return Partial(counted + charged + rest, "upper")
+        return Partial(counted + charged, "upper" if upper else "exact")
+
+    def _batch_tokens(self, batch: list[str]) -> int:
+        encodings = self.tokenizer.encode_batch_fast(batch, add_special_tokens=False)
+        return sum(len(e) for e in encodings)
+
+    def _charge(self, chunk: str) -> int | None:
+        """The bound to charge instead of encoding `chunk`, or None to encode it.
+
+        HF keeps one Rust String per token in each result and frees them with the GIL held
+        (~11 ms per million). Chunks are small wherever the text can be cut; a stretch that
+        cannot be cut and whose bound exceeds `uncut_tokens_max` (hostile: 1 M spaces,
+        400 K x U+0F73) is charged its guaranteed bound, which keeps I1.
+        """
+        limit = self.uncut_tokens_max
+        rule = self.bound_rule
+        # Up to 4 UTF-8 bytes per character, times the NFC factor: below that, no check needed.
+        if limit is None or rule is None or len(chunk) * 4 * NFC_MAX_EXPANSION <= limit:
+            return None
+        bound = text_bound(chunk, rule)
+        return bound if bound > limit else None
 
     def _chunks(self, texts: Sequence[str]) -> Iterator[str]:
         for t in texts:
@@ -140,9 +197,17 @@ class HfTokenizer:
             else:
                 yield t
 
+    def _segment_chunks(self, segments: Sequence[str]) -> list[str]:
+        if self.chunkable:
+            return list(segment_chunks(segments, self.chunk_chars))
+        return ["".join(segments)]
+
     def describe(self) -> str:
         rule = self.bound_rule or "none (always exact)"
-        return f"hf tokenizer {self.origin} (byte bound: {rule}; specials {self.special_tokens})"
+        return (
+            f"{self.backend} tokenizer {self.origin} (byte bound: {rule}; "
+            f"specials {self.special_tokens})"
+        )
 
 
 @dataclass
@@ -162,26 +227,23 @@ class TiktokenTokenizer:
     def _encode(self, chunks: Iterable[str]) -> Counted:
         # One chunk per call: `encode` runs in Rust without the GIL; `encode_batch` would
         # start a thread pool per call. Special-token text counts as the special token, as
-        # HF tokenizers do.
-        tally = _Tally(self.bound_rule)
+        # HF tokenizers do. An uncuttable giant chunk is charged its bound (see
+        # HfTokenizer._charge): tiktoken panics on ~1 M identical whitespace characters.
+        tokens, exact = 0, True
         for c in chunks:
-            if not tally.oversized(c):
-                tally.tokens += len(self.encoding.encode(c, allowed_special="all"))
-        return tally.result
+            if len(c) * 4 * NFC_MAX_EXPANSION > UNCUT_TOKENS_MAX:
+                bound = text_bound(c, self.bound_rule or "nfc")
+                if bound > UNCUT_TOKENS_MAX:
+                    tokens += bound
+                    exact = False
+                    continue
+            tokens += len(self.encoding.encode(c, allowed_special="all"))
+        return tokens, exact
+
+    backend: ClassVar[str] = "tiktoken"
 
     def describe(self) -> str:
         return f"tiktoken {self.origin} (byte bound: bytes)"
-
-
-def _batches(chunks: Iterator[str]) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for c in chunks:
-        batch.append(c)
-        if len(batch) >= BATCH_CHUNKS:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -189,6 +251,11 @@ def _batches(chunks: Iterator[str]) -> Iterator[list[str]]:
 
 def load_hf(path: str | Path) -> HfTokenizer:
     """A tokenizer.json, a tokenizer.json.zip, or a directory holding either (+ config)."""
+    return load_hf_json(path)[0]
+
+
+def load_hf_json(path: str | Path) -> tuple[HfTokenizer, str]:
+    """`load_hf`, plus the tokenizer.json text it read (for a second backend to load)."""
     # One core per count (count_concurrency counts run at once): HF's own thread pool would
     # take every core, including the event loop's. An operator's explicit setting wins.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -201,9 +268,14 @@ def load_hf(path: str | Path) -> HfTokenizer:
         p = next((c for c in candidates if c.is_file()), candidates[0])
     if not p.is_file():
         raise ValueError(f"no tokenizer.json at {path}")
-    raw = _read_maybe_zipped(p)
+    raw = _read_maybe_zipped(p).decode("utf-8")
     spec = json.loads(raw)
-    tok = Tokenizer.from_str(raw.decode("utf-8"))
+    tok = Tokenizer.from_str(raw)
+    # A tokenizer.json may preset truncation (an under-count: I1) or padding (batches padded
+    # to their longest chunk: an over-count). Engines call the tokenizer with both off
+    # (transformers disables them per call unless asked), so counting does too.
+    tok.no_truncation()
+    tok.no_padding()
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text("utf-8")) if config_path.is_file() else {}
     template = from_tokenizer_dir_files(config_path, directory / "chat_template.jinja")
@@ -211,7 +283,7 @@ def load_hf(path: str | Path) -> HfTokenizer:
     # post-processor does not; counting the larger keeps completions counts from falling short.
     from_config = int(bool(config.get("add_bos_token"))) + int(bool(config.get("add_eos_token")))
     specials = max(int(tok.num_special_tokens_to_add(False)), from_config)
-    return HfTokenizer(
+    hf = HfTokenizer(
         tokenizer=tok,
         bound_rule=_hf_bound_rule(spec),
         special_tokens=specials,
@@ -219,6 +291,7 @@ def load_hf(path: str | Path) -> HfTokenizer:
         chunkable=_hf_chunkable(spec) and _self_test(tok),
         origin=str(path),
     )
+    return hf, raw
 
 
 def release_load_garbage() -> None:
