@@ -335,6 +335,8 @@ class Harness:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 waiter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiter
             elif phase == "transfer" and started is not None:
                 # Ground truth says when decode starts receiving pages: leave then.
                 deadline = time.monotonic() + TRANSFER_START_TIMEOUT_S
