@@ -196,6 +196,18 @@ async def test_prefill_disconnect_smg_lets_prefill_finish_and_so_does_kvproxy(
     assert leak_counters(proxied) == dict.fromkeys(leak_counters(proxied), 0)
 
 
+# --- the disconnect storm through the real router --------------------------------------------
+
+VICTIMS = 40
+SEED = 7
+# As in the sim-router storm: ~0.3 s of prefill and ~0.25 s of transfer per victim.
+STORM_SIM: dict[str, Any] = {
+    "mode": "vulnerable",
+    "prefill_us_per_token": 150.0,
+    "transfer_ms_per_page": 2.0,
+}
+
+
 async def test_legacy_router_cuts_both_legs_and_the_storm_leaks_through_it(
     tmp_path: Path,
 ) -> None:
@@ -220,18 +232,6 @@ async def test_legacy_router_cuts_both_legs_and_the_storm_leaks_through_it(
     assert 0 < storm.victims_cut <= VICTIMS
     assert leaks["late_writes_into_reallocated_pages"] > 0, leaks
     assert storm.foreign_replies > 0, (storm.other_replies, leaks)
-
-
-# --- the disconnect storm through the real router --------------------------------------------
-
-VICTIMS = 40
-SEED = 7
-# As in the sim-router storm: ~0.3 s of prefill and ~0.25 s of transfer per victim.
-STORM_SIM: dict[str, Any] = {
-    "mode": "vulnerable",
-    "prefill_us_per_token": 150.0,
-    "transfer_ms_per_page": 2.0,
-}
 
 
 async def test_storm_through_kvproxy_and_the_router_does_not_leak(tmp_path: Path) -> None:
