@@ -4,16 +4,31 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST  := $(VENV)/bin/pytest
+# The real router for the slow suites, smg (PyPI), in a venv of its own: sglang-router 0.3.2
+# (the one legacy test) also installs a bin/smg, and whichever is installed last owns it.
+# tests/real_router.py finds it here (SMG_VERSION there must match).
+SMG_VERSION := 1.13.0
+SMG_VENV    ?= .venv-smg
+SMG_STAMP   := $(SMG_VENV)/.installed-smg-$(SMG_VERSION)
 APT_PKGS := prometheus wrk nginx-light curl
 
-.PHONY: run test test-fast test-slow lint fmt sysdeps dashboard bench bench-peers check-record clean
+.PHONY: run test test-fast test-slow lint fmt sysdeps smg dashboard bench bench-peers check-record clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(SMG_STAMP)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,test,dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
+
+$(SMG_STAMP):
+	test -x $(SMG_VENV)/bin/python || python3 -m venv $(SMG_VENV)
+	$(SMG_VENV)/bin/python -m pip install -q --disable-pip-version-check 'smg==$(SMG_VERSION)'
+	$(SMG_VENV)/bin/smg --version | grep -qx 'smg $(SMG_VERSION)'
+	rm -f $(SMG_VENV)/.installed-smg-*
+	touch $(SMG_STAMP)
+
+smg: $(SMG_STAMP)
 
 # Debian packages used by tests and benchmarks; installed only when missing and when root.
 sysdeps:
@@ -60,4 +75,4 @@ bench-peers: $(STAMP) sysdeps
 	$(PY) bench/run.py --peers
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SMG_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -176,6 +176,7 @@ class KvproxyServer:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/capacity", self._capacity)
+        app.router.add_get("/tripwire", self._tripwire)
         return app
 
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -191,6 +192,20 @@ class KvproxyServer:
 
     async def _capacity(self, request: web.Request) -> web.Response:
         return _json(self.state.capacity.snapshot_json())
+
+    async def _tripwire(self, request: web.Request) -> web.Response:
+        # What `kvproxy canary` needs to say why the tripwire withheld nothing: whose tenant
+        # header is believed and which tenants have canaries. Tenant names only: never the
+        # markers, patterns or tenant tokens.
+        s = self.settings
+        return _json(
+            {
+                "tenant_header": s.tenant_header,
+                "trust_tenant_header": s.trust_tenant_header,
+                "canary_action": s.canary_action,
+                "canary_tenants": sorted({c.tenant for c in s.canaries}),
+            }
+        )
 
     async def stop(self) -> None:
         """Graceful: stop accepting, wait for in-flight and deferred requests, then close."""

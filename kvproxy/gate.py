@@ -22,7 +22,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,27 +40,30 @@ from kvproxy.capacity import (
 )
 from kvproxy.config import ConfigError, EngineSpec, load_settings
 from kvproxy.gate_deferred import CHECK_NAME, deferred_counts, deferred_verdict
-from kvproxy.isolation import (
-    CanaryOptions,
-    fetch_sim_stats,
-    run_isolation,
-    sim_arrivals,
-    summary,
-    token_ids,
+from kvproxy.gate_probes import (
+    Check,
+    boundary_probes,
+    isolation_checks,
+    resolve_model,
+    unknown_probe,
 )
+from kvproxy.gate_record import engine_table, markdown, write_record
+from kvproxy.isolation import CanaryOptions, run_isolation, summary
+from kvproxy.probes import ModelUnknown, ProbeChoice
+
+__all__ = [
+    "Check",
+    "GateOptions",
+    "ReleaseRecord",
+    "engine_table",
+    "markdown",
+    "run_gate",
+    "write_record",
+]
 
 SCHEMA = "kvproxy.release-record/1"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "release_record.schema.json"
 PROBE_TIMEOUT_S = 10.0
-REQUEST_TIMEOUT_S = 600.0
-
-
-@dataclass
-class Check:
-    name: str
-    passed: bool
-    detail: str
-    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,7 +76,8 @@ class GateOptions:
     canary: bool = False
     unknown_probe: str | None = None
     out: Path | None = None
-    model: str = "default"
+    model: str | None = None  # None: the proxy's (else an engine's) /v1/models
+    probe_kind: ProbeChoice = "auto"
     # The operator accepts deferrals that ended without a confirmed drain (kept in the record).
     accept_drain_timeouts: bool = False
 
@@ -178,86 +182,6 @@ def engine_row(spec: EngineSpec, m: EngineMeasurement | ProbeError) -> dict[str,
     return row
 
 
-async def boundary_probes(
-    http: aiohttp.ClientSession, opts: GateOptions, limit: int
-) -> list[Check]:
-    assert opts.proxy is not None
-    checks: list[Check] = []
-    ids_cache = await token_ids(
-        http, [b for b in (opts.sim, opts.proxy) if b], "kvproxy release gate probe. ", limit + 1
-    )
-    for delta in (-1, 0, 1):
-        n = limit + delta
-        body = {"model": opts.model, "prompt": ids_cache[:n], "max_tokens": 1}
-        before = await fetch_sim_stats(http, opts.sim)
-        status, code, decision = await _post(
-            http, opts.proxy + "/v1/completions", body, f"kvproxy-check-limit{delta:+d}"
-        )
-        after = await fetch_sim_stats(http, opts.sim)
-        arrived = sim_arrivals(before, after)
-        name = f"boundary limit{delta:+d} ({n:,} tokens)"
-        data = {
-            "tokens": n,
-            "status": status,
-            "code": code,
-            "decision": decision,
-            "reached_engines": arrived,
-        }
-        if delta <= 0:
-            ok = status == 200
-            detail = "admitted" if ok else f"expected 200, got {status} {code or ''}".strip()
-        else:
-            ok = status == 400 and code == "context_length_exceeded"
-            detail = (
-                "rejected with 400 context_length_exceeded"
-                if ok
-                else f"expected 400 context_length_exceeded, got {status} {code or ''}".strip()
-            )
-            if arrived:
-                ok = False
-                detail += f"; it reached the engines ({arrived})"
-            elif arrived == "":
-                detail += "; the simulator confirms nothing reached the engines"
-        checks.append(Check(name, ok, detail, data))
-    return checks
-
-
-async def unknown_probe(http: aiohttp.ClientSession, url: str, model: str) -> Check:
-    body = {"model": model, "prompt": "capacity unknown probe", "max_tokens": 1}
-    status, code, _ = await _post(http, url + "/v1/completions", body, "kvproxy-check-unknown")
-    ok = status == 503 and code == "capacity_unknown"
-    detail = "fails closed (503 capacity_unknown)" if ok else f"got {status} {code}"
-    return Check("capacity-unknown probe", ok, detail, {"status": status, "code": code})
-
-
-async def _post(
-    http: aiohttp.ClientSession, url: str, body: dict[str, Any], rid: str
-) -> tuple[int, str | None, str | None]:
-    try:
-        async with http.post(
-            url,
-            data=orjson.dumps(body),
-            headers={"Content-Type": "application/json", "X-Request-ID": rid},
-            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
-        ) as resp:
-            raw = await resp.read()
-            decision = resp.headers.get("X-Kvproxy-Decision")
-            code = None
-            try:
-                data = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                data = None
-            if isinstance(data, dict):
-                err = data.get("error")
-                if isinstance(err, dict) and isinstance(err.get("code"), str):
-                    code = err["code"]
-                elif isinstance(data.get("kvproxy_code"), str):
-                    code = data["kvproxy_code"]
-            return resp.status, code, decision
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        return 0, type(exc).__name__, None
-
-
 async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
     started = time.time()
     checks: list[Check] = []
@@ -286,7 +210,17 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
             deferred = await deferred_counts(http, opts.proxy_admin)
             if deferred is None:
                 checks.append(Check("proxy metrics", False, "admin /metrics unreachable"))
-        if opts.proxy:
+        model = "default"
+        if opts.proxy or opts.canary:
+            try:
+                bases = [u for u in (opts.proxy, opts.unknown_probe) if u]
+                bases += [e.url.rstrip("/") for e in opts.engines]
+                model, model_source = await resolve_model(http, opts.model, bases)
+                progress(f"[check] model {model} (from {model_source})")
+            except ModelUnknown as exc:
+                checks.append(Check("model", False, str(exc)))
+                model = ""
+        if opts.proxy and model:
             probe_limit = limits.admission_limit_tokens
             proxy_limit = deferred.get("proxy_admission_limit_tokens") if deferred else None
             if proxy_limit:
@@ -302,11 +236,22 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                 checks.append(Check("boundary probes", False, "no limit could be measured"))
             else:
                 progress(f"[check] boundary probes at {probe_limit:,} tokens ...")
-                checks.extend(await boundary_probes(http, opts, probe_limit))
+                checks.extend(
+                    await boundary_probes(
+                        http,
+                        opts.proxy,
+                        opts.engines,
+                        opts.sim,
+                        probe_limit,
+                        model,
+                        opts.probe_kind,
+                    )
+                )
         if opts.unknown_probe:
-            checks.append(await unknown_probe(http, opts.unknown_probe, opts.model))
+            # kvproxy answers capacity_unknown before it looks at the model.
+            checks.append(await unknown_probe(http, opts.unknown_probe, model or "default"))
     isolation = None
-    if opts.canary:
+    if opts.canary and model:
         target = opts.proxy
         if target is None:
             checks.append(Check("isolation", False, "--canary needs --proxy (the target)"))
@@ -315,23 +260,18 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                 CanaryOptions(
                     target=target,
                     sim=opts.sim,
+                    engine=next(
+                        (e.url.rstrip("/") for e in opts.engines if e.role != "decode"), None
+                    ),
+                    proxy_admin=opts.proxy_admin,
                     limit=limits.admission_limit_tokens,
-                    model=opts.model,
+                    model=model,
+                    probe_kind=opts.probe_kind,
                     progress=progress,
                 )
             )
             isolation = report.to_json()
-            for sc in report.scenarios:
-                checks.append(
-                    Check(
-                        f"isolation {sc.name}",
-                        sc.verdict != "fail",
-                        f"{sc.verdict}: {sc.requests} requests, "
-                        f"{len(sc.foreign_markers)} foreign markers, "
-                        f"{sc.blocked_by_tripwire} withheld by the tripwire"
-                        + ("; " + "; ".join(sc.problems[:3]) if sc.problems else ""),
-                    )
-                )
+            checks.extend(isolation_checks(report))
             progress(summary(report))
     if deferred is not None:
         verdict = deferred_verdict(deferred, opts.accept_drain_timeouts)
@@ -356,87 +296,6 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
     )
 
 
-def engine_table(record: ReleaseRecord) -> list[str]:
-    head = ("engine", "role", "pool", "input limit", "source field", "page", "warnings")
-    rows = [head]
-    for e in record.engines:
-        if "error" in e:
-            rows.append(
-                (
-                    e["engine"],
-                    e["role"],
-                    "-",
-                    "-",
-                    f"ERROR {e['error']['reason']}",
-                    "-",
-                    e["error"]["message"][:60],
-                )
-            )
-            continue
-        rows.append(
-            (
-                e["engine"],
-                e["role"],
-                f"{e['pool_tokens']:,}",
-                f"{e['input_limit_tokens']:,}",
-                e["sources"]["input_limit_tokens"],
-                str(e.get("page_size") or "-"),
-                ",".join(e.get("warnings") or []) or "-",
-            )
-        )
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
-    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-
-
-def markdown(record: ReleaseRecord) -> str:
-    verdict = "PASS" if record.passed else "FAIL"
-    lines = [
-        f"# kvproxy release record: {verdict}",
-        "",
-        f"- kvproxy {record.kvproxy_version}, host `{record.host}`",
-        f"- started {record.started_at}, finished {record.finished_at}",
-        f"- declared context: {record.declared_context_tokens or 'not set'}",
-        f"- largest safe context (measured): {record.safe_max_context_tokens}",
-        f"- admission limit: {record.limits.get('admission_limit_tokens')} "
-        f"({record.limits.get('source')}: {record.limits.get('why')})",
-        "- unconfirmed drains (timeout, shutdown): "
-        + ("ACCEPTED by the operator" if record.accept_drain_timeouts else "fail the gate"),
-        "",
-        "## Engines (measured at run time)",
-        "",
-        "| engine | url | role | pool tokens | input limit | source field | page size | warnings |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for e in record.engines:
-        if "error" in e:
-            lines.append(
-                f"| {e['engine']} | {e['url']} | {e['role']} | - | - | "
-                f"probe failed: {e['error']['reason']} | - | - |"
-            )
-        else:
-            lines.append(
-                f"| {e['engine']} | {e['url']} | {e['role']} | {e['pool_tokens']:,} "
-                f"({e['sources']['pool_tokens']}) | {e['input_limit_tokens']:,} | "
-                f"{e['sources']['input_limit_tokens']} | {e.get('page_size') or '-'} | "
-                f"{', '.join(e.get('warnings') or []) or '-'} |"
-            )
-    lines += ["", "## Checks", "", "| check | result | detail |", "|---|---|---|"]
-    for c in record.checks:
-        lines.append(f"| {c.name} | {'PASS' if c.passed else 'FAIL'} | {c.detail} |")
-    if record.isolation:
-        lines += ["", "## Isolation evidence", ""]
-        for sc in record.isolation["scenarios"]:
-            lines.append(
-                f"- `{sc['name']}`: {sc['verdict']}, {sc['requests']} requests, "
-                f"{len(sc['foreign_markers'])} foreign markers, "
-                f"{sc['blocked_by_tripwire']} withheld"
-            )
-        lines += ["", "> " + " ".join(record.isolation["caveats"])]
-    if record.failed_checks:
-        lines += ["", "## Failed", ""] + [f"- {n}" for n in record.failed_checks]
-    return "\n".join(lines) + "\n"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="kvproxy YAML config to read engines and max_context from")
     p.add_argument("--engines", help="JSON list as in KVPROXY_ENGINES (default: the config)")
@@ -455,7 +314,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pass even if deferred cancellations ended by timeout or shutdown (drain not "
         "confirmed); recorded in the release record",
     )
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", help="model id to request (default: the proxy's /v1/models)")
+    p.add_argument(
+        "--probe-kind",
+        choices=("auto", "text", "token_ids"),
+        default="auto",
+        help="boundary prompts: text measured by an engine's /tokenize (auto, when one "
+        "answers) or token-id arrays",
+    )
     p.add_argument("--out", help="directory for release-record.json and release-record.md")
 
 
@@ -488,15 +354,8 @@ def options_from(args: argparse.Namespace) -> GateOptions:
         out=Path(args.out) if args.out else None,
         model=args.model,
         accept_drain_timeouts=args.accept_drain_timeouts,
+        probe_kind=args.probe_kind,
     )
-
-
-def write_record(record: ReleaseRecord, out: Path) -> tuple[Path, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    j, m = out / "release-record.json", out / "release-record.md"
-    j.write_bytes(orjson.dumps(record.to_json(), option=orjson.OPT_INDENT_2))
-    m.write_text(markdown(record), encoding="utf-8")
-    return j, m
 
 
 def run_check(args: argparse.Namespace) -> int:

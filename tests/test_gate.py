@@ -101,7 +101,7 @@ async def test_an_unreachable_engine_fails_the_gate(tmp_path: Path) -> None:
 
 
 async def test_boundary_probes_through_kvproxy_and_directly(tmp_path: Path) -> None:
-    async with sim_and_proxy(max_context=5315) as (sim, proxy):
+    async with sim_and_proxy(max_context=5315, tokenizer="engine") as (sim, proxy):
         engines = tuple(EngineSpec(**e) for e in json.loads(engines_json(sim)))
         through = await run_gate(
             GateOptions(
@@ -124,6 +124,8 @@ async def test_boundary_probes_through_kvproxy_and_directly(tmp_path: Path) -> N
     assert checks["boundary limit+1 (5,316 tokens)"].data["status"] == 400
     assert checks["boundary limit+1 (5,316 tokens)"].data["reached_engines"] == ""
     assert checks["boundary limit+0 (5,315 tokens)"].passed
+    assert checks["limit reachable"].passed
+    assert checks["boundary limit+0 (5,315 tokens)"].data["probe_kind"] == "text"
     assert through.deferred_cancellations is not None
     assert through.deferred_cancellations["proxy_admission_limit_tokens"] == 5315
     # The vulnerable engine admits the over-limit probe and transfers it: the gate fails.
@@ -136,7 +138,10 @@ async def test_boundary_probes_through_kvproxy_and_directly(tmp_path: Path) -> N
 
 @pytest.mark.slow
 async def test_canary_gate_passes_through_kvproxy_and_fails_direct(tmp_path: Path) -> None:
-    async with sim_and_proxy(max_context=5315, **canary_settings()) as (sim, proxy):
+    async with sim_and_proxy(max_context=5315, tokenizer="engine", **canary_settings()) as (
+        sim,
+        proxy,
+    ):
         engines = tuple(EngineSpec(**e) for e in json.loads(engines_json(sim)))
         through = await run_gate(
             GateOptions(
@@ -284,3 +289,53 @@ def test_only_confirmed_drains_pass_without_acceptance(
     by_outcome = {o: float(outcomes.get(o, 0)) for o in DEFERRED_OUTCOMES}
     assert deferred_verdict({"by_outcome": by_outcome}, False).passed is passed
     assert deferred_verdict({"by_outcome": by_outcome}, True).passed is True
+
+
+async def test_an_over_strict_proxy_fails_limit_reachable(tmp_path: Path) -> None:
+    """kvproxy counting with `tokenizer: bytes` (an upper bound: bytes plus an allowance for
+    special tokens) refuses text prompts of limit and limit-1 engine tokens. The probes are
+    measured by the engine's /tokenize, so the gate sees it: "limit reachable" fails with
+    over_strict, and the record says which probe kind was used."""
+    async with sim_and_proxy(max_context=5315, tokenizer="bytes") as (sim, proxy):
+        engines = tuple(EngineSpec(**e) for e in json.loads(engines_json(sim)))
+        record = await run_gate(
+            GateOptions(
+                engines=engines,
+                max_context=5315,
+                proxy=proxy.public_url,
+                proxy_admin=proxy.admin_url,
+                sim=sim.router_url,
+            ),
+            lambda _: None,
+        )
+    checks = {c.name: c for c in record.checks}
+    assert not record.passed
+    assert "limit reachable" in record.failed_checks
+    assert checks["limit reachable"].data["verdict"] == "over_strict"
+    assert checks["limit reachable"].detail.startswith("over_strict")
+    assert checks["boundary limit+0 (5,315 tokens)"].data["code"] == "context_length_exceeded"
+    assert checks["boundary limit+0 (5,315 tokens)"].data["probe_kind"] == "text"
+    # limit+1 is still rejected before the engines: over-strict, not unsafe.
+    assert checks["boundary limit+1 (5,316 tokens)"].passed
+    validate(write_record(record, tmp_path)[0])
+
+
+async def test_the_model_comes_from_v1_models_and_token_ids_can_be_asked_for(
+    tmp_path: Path,
+) -> None:
+    async with sim_and_proxy(max_context=5315) as (sim, proxy):
+        engines = tuple(EngineSpec(**e) for e in json.loads(engines_json(sim)))
+        record = await run_gate(
+            GateOptions(
+                engines=engines,
+                max_context=5315,
+                proxy=proxy.public_url,
+                sim=sim.router_url,
+                probe_kind="token_ids",
+            ),
+            lambda _: None,
+        )
+    checks = {c.name: c for c in record.checks}
+    # Token ids are counted exactly by kvproxy: the limit is reachable with them.
+    assert record.passed, record.failed_checks
+    assert checks["limit reachable"].data["probe_kind"] == "token_ids"

@@ -1,6 +1,6 @@
 """The end-to-end stack the e2e suites share: the simulator, kvproxy in front of it, the real
-``sglang-router`` between them, tenant prompts carrying canary markers, reply readers and
-ground-truth readers.
+router (``smg`` 1.13.0, tests/real_router.py) between them, tenant prompts carrying canary
+markers, reply readers and ground-truth readers.
 
 Judging stays independent of the proxy: reply text is reassembled here from the wire (SSE or
 JSON) without kvproxy's own parsers, and leaks are judged on the simulator's counters
@@ -332,7 +332,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# --- the real sglang-router ------------------------------------------------------------------
+# --- ground truth once the engines are quiet ----------------------------------------------
 
 
 async def sim_quiet(http: aiohttp.ClientSession, sim: SimCluster) -> dict[str, Any]:

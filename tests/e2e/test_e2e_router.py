@@ -1,11 +1,13 @@
-"""kvproxy in front of the real ``sglang-router`` (PyPI, Rust) in PD mode, in front of the
-simulator's prefill and decode servers: software nobody here wrote, between us and the
-oracle.
+"""kvproxy in front of the real router, ``smg`` 1.13.0 (PyPI, Rust; the successor of
+``sglang-router``) in PD mode, in front of the simulator's prefill and decode servers:
+software nobody here wrote, between us and the oracle.
 
 Shows: every route and mode passes through intact; a rejection never reaches the router
 (its own Prometheus counters and the sim's ground truth agree); a client leaving during
-prefill makes the router cut both legs when nothing is in front of it, and does not when
-kvproxy is; and the disconnect storm leaks through the bare router but not through kvproxy.
+prefill: smg 1.13 lets prefill run to the end and aborts decode after the transfer (as
+measured; sglang-router 0.3.2 cut both legs), and kvproxy in front changes nothing unsafe;
+the disconnect storm does not leak through kvproxy and smg. One legacy test keeps the
+evidence that the storm leaks through a router that cuts prefill (sglang-router 0.3.2).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from e2e_stack import (
     tenant_prompt,
 )
 from e2e_storm import assert_storm_contained, disconnect_storm
-from real_router import RealRouter, real_router
+from real_router import RealRouter, legacy_router, real_router
 
 from kvproxy.sim import SimCluster
 
@@ -163,12 +165,12 @@ async def _leave_during_prefill(http: aiohttp.ClientSession, target: str, sim: S
     return cut
 
 
-async def test_prefill_disconnect_bare_router_cuts_both_legs_kvproxy_does_not(
+async def test_prefill_disconnect_smg_lets_prefill_finish_and_so_does_kvproxy(
     tmp_path: Path,
 ) -> None:
     async with sim_cluster(**SLOW_PREFILL) as sim, aiohttp.ClientSession() as http:
         async with real_router(sim, tmp_path / "router.log") as router:
-            # Without kvproxy: the router drops prefill and decode while prefill computes.
+            # Without kvproxy: smg 1.13 keeps prefill running after the client left.
             assert await _leave_during_prefill(http, router.url, sim) == LEAVERS
             bare = await sim_quiet(http, sim)
             async with http.post(sim.router_url + "/sim/reset") as resp:
@@ -179,11 +181,12 @@ async def test_prefill_disconnect_bare_router_cuts_both_legs_kvproxy_does_not(
                 await drains_over(proxy, LEAVERS)
                 outcomes = deferred_by_outcome(proxy)
             proxied = await sim_quiet(http, sim)
-    # Bare router: each engine was aborted while prefill computed, no transfer completed.
-    assert bare["prefill"]["aborts"] == LEAVERS, bare["prefill"]
-    assert bare["decode"]["aborts"] == LEAVERS
-    assert bare["decode"]["transfers_completed"] == 0
-    assert bare["prefill"]["transfers_started"] == 0
+    # Bare smg 1.13 (measured): prefill is never aborted, every transfer completes, and decode
+    # is aborted only afterwards. sglang-router 0.3.2 aborted both legs mid-prefill here.
+    assert bare["prefill"]["aborts"] == 0, bare["prefill"]
+    assert bare["decode"]["transfers_completed"] == LEAVERS, bare["decode"]
+    assert bare["decode"]["aborts"] == LEAVERS, bare["decode"]
+    assert leak_counters(bare) == dict.fromkeys(leak_counters(bare), 0)
     # Through kvproxy: prefill ran to the end and every transfer completed before the
     # upstream was closed at decode's first token.
     assert proxied["prefill"]["aborts"] == 0, proxied["prefill"]
@@ -205,10 +208,22 @@ STORM_SIM: dict[str, Any] = {
 }
 
 
-async def test_storm_through_the_bare_router_leaks(tmp_path: Path) -> None:
+async def test_legacy_router_cuts_both_legs_and_the_storm_leaks_through_it(
+    tmp_path: Path,
+) -> None:
+    """sglang-router 0.3.2 (January 2026), the one legacy test: it closes prefill and decode
+    while prefill computes, so the storm leaks through it. Evidence that the storm has teeth
+    against a router that cuts the dangerous window, which smg 1.13 no longer does."""
+    async with sim_cluster(**SLOW_PREFILL) as sim, aiohttp.ClientSession() as http:
+        async with legacy_router(sim, tmp_path / "router.log") as router:
+            assert await _leave_during_prefill(http, router.url, sim) == LEAVERS
+            bare = await sim_quiet(http, sim)
+    assert bare["prefill"]["aborts"] == LEAVERS, bare["prefill"]
+    assert bare["decode"]["aborts"] == LEAVERS
+    assert bare["decode"]["transfers_completed"] == 0
     async with (
         sim_cluster(**STORM_SIM) as sim,
-        real_router(sim, tmp_path / "router.log") as router,
+        legacy_router(sim, tmp_path / "legacy-storm.log") as router,
         aiohttp.ClientSession() as http,
     ):
         storm = await disconnect_storm(http, router.url, sim, victims=VICTIMS, seed=SEED)

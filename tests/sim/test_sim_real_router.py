@@ -1,4 +1,4 @@
-"""The real ``sglang-router`` (PyPI, Rust) in PD mode in front of the sim's prefill and
+"""The real router, ``smg`` 1.13.0 (PyPI, Rust), in PD mode in front of the sim's prefill and
 decode: it accepts them as workers, streams through them, and the incident reproduces
 through it in vulnerable mode (and is refused with 400 in fixed mode)."""
 
