@@ -4,14 +4,14 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST  := $(VENV)/bin/pytest
-APT_PKGS := prometheus wrk nginx-light curl
+APT_PKGS := prometheus wrk nginx-light curl redis-server
 
 .PHONY: run test test-fast test-slow lint fmt sysdeps dashboard bench bench-peers check-record clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,test,dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,redis,test,dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -22,6 +22,7 @@ sysdeps:
 	command -v wrk >/dev/null || missing="$$missing wrk"; \
 	command -v nginx >/dev/null || missing="$$missing nginx-light"; \
 	command -v curl >/dev/null || missing="$$missing curl"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing:$$missing"; \
