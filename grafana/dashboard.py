@@ -466,7 +466,10 @@ HEALTH = Row(
         Panel(
             "Requests by route (req/s)",
             "timeseries",
-            "Every request kvproxy handled, by route.",
+            "Every request kvproxy handled, by route: the counted inference routes (chat, "
+            "completions, generate, responses, messages, embeddings, classify, rerank, score, "
+            "encode, native_classify), passthrough (read-only and operator-listed routes, not "
+            "counted) and refused (404 route_not_found, never forwarded).",
             (
                 Query(
                     f"sum by (route) (rate({sel('kvproxy_requests_total')}[{RATE}]))",

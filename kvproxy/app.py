@@ -91,7 +91,13 @@ class KvproxyServer:
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
         capacity = CapacityMonitor(s, self.metrics)
-        counter = self._counter or build_counter(s, capacity=capacity, session=session)
+        try:
+            counter = self._counter or build_counter(s, capacity=capacity, session=session)
+        except BaseException:
+            # A tokenizer that cannot be loaded (a missing extra, a bad path) ends the start
+            # with one line; the session made above must not leak an "Unclosed" warning too.
+            await session.close()
+            raise
         self._state = state = ServerState(
             settings=s,
             metrics=self.metrics,
@@ -125,6 +131,9 @@ class KvproxyServer:
             self._public_app(),
             access_log=None,
             handler_cancellation=False,  # I5: a client leaving must not cancel the handler
+            # Bodies arrive as sent: kvproxy.body decides what a Content-Encoding means,
+            # for counted and pass-through routes alike.
+            auto_decompress=False,
             shutdown_timeout=FINAL_CLEANUP_S,
         )
         await self._public.setup()

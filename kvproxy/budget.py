@@ -2,7 +2,8 @@
 
 Owns how many prompt tokens and requests may be upstream at once
 (`KVPROXY_MAX_INFLIGHT_PROMPT_TOKENS`, `KVPROXY_MAX_INFLIGHT_REQUESTS`), the strict FIFO
-queue of requests waiting for room, and the budget metrics. A request takes its prompt
+queue of requests waiting for room, what one request is charged (`charge_tokens`: every
+sequence of a batch, every sample), and the budget metrics. A request takes its prompt
 tokens when admitted and gives them back only when `Lease.release()` is called, which the
 proxy does when the upstream connection is actually closed: a deferred cancellation keeps
 holding its share (I6, "cancelled is not reclaimable").
@@ -37,6 +38,21 @@ from kvproxy.metrics import Metrics
 # A client that got 429 should come back soon but not hammer us; the queue timeout is the
 # time scale on which room appears, capped so a long queue timeout does not park clients.
 MAX_RETRY_AFTER_S = 30
+
+
+def charge_tokens(total_prompt_tokens: int, n: int) -> int:
+    """Prompt tokens the engines will hold for one request: the sum over its sequences,
+    once per sample.
+
+    The admission limit is checked per sequence (that is how the engines check it), but a
+    batch is several engine requests at once: SGLang's TokenizerManager splits a batched
+    `/generate` or completions prompt list into one request per item, and with `n` > 1
+    (`parallel_sample_num`) into n requests per item (tokenizer_manager.py,
+    `_handle_batch_request`), each prefilled, transferred and held on decode on its own in
+    PD mode; vLLM fans `n` out into child requests of one parent the same way. Charging the
+    prompt n times is the conservative reading (prefix sharing can only make it smaller).
+    The budget counts prompt tokens only: output is not charged (see I4 for decode)."""
+    return total_prompt_tokens * max(n, 1)
 
 
 class Lease:
@@ -127,13 +143,15 @@ class InflightBudget:
         return self.max_tokens is not None or self.max_requests is not None
 
     async def acquire(self, tokens: int) -> Lease:
-        """A lease for `tokens` prompt tokens and one request, or `KvproxyError` (429)."""
+        """A lease for `tokens` prompt tokens (`charge_tokens` of the request) and one
+        request, or `KvproxyError` (429)."""
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         if self.max_tokens is not None and tokens > self.max_tokens:
             raise errors.over_budget(
                 self._retry_after_s,
-                f"the prompt's {tokens:,} tokens can never fit the in-flight budget of "
+                f"the request's {tokens:,} prompt tokens (every sequence and sample) can "
+                f"never fit the in-flight budget of "
                 f"{self.max_tokens:,} tokens (KVPROXY_MAX_INFLIGHT_PROMPT_TOKENS)",
             )
         if not self._waiters and self._fits(tokens):

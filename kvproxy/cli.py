@@ -1,7 +1,8 @@
 """`kvproxy serve | demo | sim | check | canary`.
 
 Exit codes: 0 success, 1 a check/canary failed, 2 bad configuration or usage (one line on
-stderr naming the setting).
+stderr naming the setting), or an optional package the command needs is not installed (one
+line naming the extra).
 """
 
 from __future__ import annotations
@@ -184,47 +185,85 @@ def cmd_canary(args: argparse.Namespace) -> int:
     return run_canary(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    _serve_args(p)
+    p.add_argument("--sim-port", type=int, default=30000)
+    p.add_argument("--mode", choices=["vulnerable", "fixed"], default="vulnerable")
+
+
+def _sim_args(p: argparse.ArgumentParser) -> None:
+    from kvproxy.sim.launcher import add_arguments
+
+    add_arguments(p)
+
+
+def _check_args(p: argparse.ArgumentParser) -> None:
+    from kvproxy.gate import add_arguments
+
+    add_arguments(p)
+
+
+def _canary_args(p: argparse.ArgumentParser) -> None:
+    from kvproxy.isolation import add_arguments
+
+    add_arguments(p)
+
+
+# name -> (help, arguments, run). A subcommand's module is imported only when it runs, and
+# its arguments only when it is the one being parsed, so one command's dependencies can never
+# break another's: a plain `pip install kvproxy` serves, checks and runs the canary harness.
+COMMANDS: dict[
+    str,
+    tuple[
+        str,
+        Callable[[argparse.ArgumentParser], None],
+        Callable[[argparse.Namespace], int],
+    ],
+] = {
+    "serve": ("run the proxy", _serve_args, cmd_serve),
+    "demo": ("the proxy in front of the built-in PD simulator", _demo_args, cmd_demo),
+    "sim": ("the PD engine simulator (prefill, decode, router)", _sim_args, cmd_sim),
+    "check": ("release gate: measure, compare, probe, record", _check_args, cmd_check),
+    "canary": ("two-tenant isolation test", _canary_args, cmd_canary),
+}
+
+# Optional packages, by top-level module name -> the extra that installs them.
+EXTRAS = {"tokenizers": "tokenizers", "tiktoken": "tokenizers"}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with `argv`, only the named subcommand gets its arguments (and imports
+    its module). Without, every subcommand is complete (for help and tests)."""
+    chosen = next((w for w in argv if w in COMMANDS), None) if argv is not None else None
     parser = argparse.ArgumentParser(prog="kvproxy", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvproxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="run the proxy")
-    _serve_args(serve)
-    serve.set_defaults(func=cmd_serve)
-
-    demo = sub.add_parser("demo", help="the proxy in front of the built-in PD simulator")
-    _serve_args(demo)
-    demo.add_argument("--sim-port", type=int, default=30000)
-    demo.add_argument("--mode", choices=["vulnerable", "fixed"], default="vulnerable")
-    demo.set_defaults(func=cmd_demo)
-
-    from kvproxy.sim.launcher import add_arguments as sim_arguments
-
-    sim = sub.add_parser("sim", help="the PD engine simulator (prefill, decode, router)")
-    sim_arguments(sim)
-    sim.set_defaults(func=cmd_sim)
-
-    from kvproxy.gate import add_arguments as check_arguments
-
-    check = sub.add_parser("check", help="release gate: measure, compare, probe, record")
-    check_arguments(check)
-    check.set_defaults(func=cmd_check)
-
-    from kvproxy.isolation import add_arguments as canary_arguments
-
-    canary = sub.add_parser("canary", help="two-tenant isolation test")
-    canary_arguments(canary)
-    canary.set_defaults(func=cmd_canary)
+    for name, (help_, arguments, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        if chosen is None or chosen == name:
+            arguments(p)
+        p.set_defaults(func=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        args = build_parser(argv).parse_args(argv)
         return int(args.func(args))
     except ConfigError as exc:
         print(f"kvproxy: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in EXTRAS:
+            raise
+        command = next((w for w in argv if w in COMMANDS), "this command")
+        print(
+            f"kvproxy: {command} needs the Python package {missing!r}, which a plain install "
+            f"leaves out: pip install 'kvproxy[{EXTRAS[missing]}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

@@ -165,6 +165,12 @@ class Settings(BaseSettings):
     canaries: tuple[CanaryTenant, ...] = ()
     canary_action: Literal["block", "observe"] = "block"
 
+    # --- routes --------------------------------------------------------------------------
+    # Extra routes forwarded WITHOUT counting ("/path", "GET /path", "GET,HEAD /prefix/*"),
+    # on top of the built-in read-only ones. Their bodies reach the upstream unexamined:
+    # list only routes that cannot carry a prompt to a KV cache (kvproxy.routes).
+    passthrough_routes: tuple[str, ...] = ()
+
     # --- logging -------------------------------------------------------------------------
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = True
@@ -189,6 +195,7 @@ class Settings(BaseSettings):
             return v
         raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
 
+<<<<<<< HEAD
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
@@ -197,6 +204,14 @@ class Settings(BaseSettings):
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError("must start with redis://, rediss:// or unix://")
+=======
+    @field_validator("passthrough_routes")
+    @classmethod
+    def _passthrough(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from kvproxy.routes import parse_passthrough  # the allowlist's one parser
+
+        parse_passthrough(v)
+>>>>>>> main
         return v
 
     @model_validator(mode="after")

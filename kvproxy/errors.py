@@ -8,10 +8,13 @@ Tree of what a request can end in, besides a relayed upstream response:
     │   ├── decode_budget_exceeded    400   context_length_exceeded     decode_budget
     │   ├── invalid_request           400   invalid_request             invalid_request
     │   ├── body_too_large            413   request_too_large           body_too_large
+    │   ├── unsupported_content_encoding 415 unsupported_content_encoding content_encoding
     │   ├── body_read_timeout         408   request_timeout             body_read_timeout
     │   ├── capacity_unknown          503   capacity_unknown            capacity_unknown
     │   ├── count_unavailable         503   token_count_unavailable     count_unavailable
-    │   └── over_budget               429   inflight_budget_exceeded    over_budget
+    │   ├── over_budget               429   inflight_budget_exceeded    over_budget
+    │   ├── method_not_allowed        405   method_not_allowed          method_not_allowed
+    │   └── route_not_found           404   route_not_found             route_not_found
     └── upstream failures (map_upstream_exception)
         ├── upstream_unreachable      502   upstream_unreachable
         ├── upstream_reset            502   upstream_reset
@@ -39,12 +42,14 @@ REJECTION_REASONS = (
     "decode_budget",
     "invalid_request",
     "body_too_large",
+    "content_encoding",
     "body_read_timeout",
     "capacity_unknown",
     "count_unavailable",
     "over_budget",
     "budget_unavailable",
     "method_not_allowed",
+    "route_not_found",
 )
 
 
@@ -171,6 +176,17 @@ def body_too_large(size: int | None, limit: int) -> KvproxyError:
     )
 
 
+def unsupported_content_encoding(detail: str, accepted: str) -> KvproxyError:
+    return KvproxyError(
+        status=415,
+        code="unsupported_content_encoding",
+        reason="content_encoding",
+        param="Content-Encoding",
+        message=f"{detail}; send the body uncompressed or as one of: {accepted}",
+        headers={"Accept-Encoding": accepted},
+    )
+
+
 def body_read_timeout(timeout_s: float) -> KvproxyError:
     return KvproxyError(
         status=408,
@@ -234,6 +250,16 @@ def method_not_allowed(method: str) -> KvproxyError:
         code="method_not_allowed",
         reason="method_not_allowed",
         message=f"method {method} is not allowed on inference routes",
+    )
+
+
+def route_not_found(why: str) -> KvproxyError:
+    # The allowlist's refusal (kvproxy.routes): never forwarded. `why` never quotes the path.
+    return KvproxyError(
+        status=404,
+        code="route_not_found",
+        reason="route_not_found",
+        message=f"kvproxy does not forward this request: {why}",
     )
 
 

@@ -7,7 +7,9 @@ Runs in CI/CD before a rollout that touches long-context settings:
   3. with --proxy: boundary probes (limit-1 and limit admitted, limit+1 rejected with 400
      context_length_exceeded and, with --sim, proven never to reach the engines);
   4. with --canary: the isolation scenarios (kvproxy.isolation), folded into the verdict;
-  5. with --proxy-admin: the proxy's deferred-cancellation counts by outcome.
+  5. with --proxy-admin: the proxy's deferred-cancellation counts by outcome; a deferral
+     that ended unconfirmed (timeout, shutdown) fails the gate unless the operator passes
+     --accept-drain-timeouts, which the record keeps (kvproxy.gate_deferred).
 It writes a release record (JSON, schema in kvproxy/schemas/, and Markdown) and exits 0
 only when every check passed. Never records prompt or completion text.
 """
@@ -26,7 +28,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy import __version__
 from kvproxy.capacity import (
@@ -38,6 +39,7 @@ from kvproxy.capacity import (
     system_resolver,
 )
 from kvproxy.config import ConfigError, EngineSpec, load_settings
+from kvproxy.gate_deferred import CHECK_NAME, deferred_counts, deferred_verdict
 from kvproxy.isolation import (
     CanaryOptions,
     fetch_sim_stats,
@@ -46,7 +48,6 @@ from kvproxy.isolation import (
     summary,
     token_ids,
 )
-from kvproxy.metrics import DEFERRED_OUTCOMES
 
 SCHEMA = "kvproxy.release-record/1"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "release_record.schema.json"
@@ -73,6 +74,8 @@ class GateOptions:
     unknown_probe: str | None = None
     out: Path | None = None
     model: str = "default"
+    # The operator accepts deferrals that ended without a confirmed drain (kept in the record).
+    accept_drain_timeouts: bool = False
 
 
 @dataclass
@@ -88,6 +91,7 @@ class ReleaseRecord:
     safe_max_context_tokens: int | None
     checks: list[Check]
     deferred_cancellations: dict[str, Any] | None
+    accept_drain_timeouts: bool
     isolation: dict[str, Any] | None
     passed: bool
     failed_checks: list[str]
@@ -254,27 +258,6 @@ async def _post(
         return 0, type(exc).__name__, None
 
 
-async def deferred_counts(http: aiohttp.ClientSession, admin: str) -> dict[str, Any] | None:
-    try:
-        async with http.get(admin + "/metrics") as resp:
-            text = await resp.text()
-    except (TimeoutError, aiohttp.ClientError):
-        return None
-    counts = dict.fromkeys(DEFERRED_OUTCOMES, 0.0)
-    limit = None
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "kvproxy_deferred_cancellations_total":
-                counts[s.labels.get("outcome", "")] = s.value
-            elif s.name == "kvproxy_admission_limit_tokens":
-                limit = int(s.value)
-    return {
-        "by_outcome": counts,
-        "timeouts_flagged": counts.get("timeout", 0) > 0,
-        "proxy_admission_limit_tokens": limit,
-    }
-
-
 async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
     started = time.time()
     checks: list[Check] = []
@@ -351,20 +334,8 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                 )
             progress(summary(report))
     if deferred is not None:
-        timeouts = deferred["by_outcome"].get("timeout", 0)
-        checks.append(
-            Check(
-                "deferred cancellations",
-                True,
-                ", ".join(f"{k}={int(v)}" for k, v in deferred["by_outcome"].items())
-                + (
-                    f"; WARNING: {int(timeouts)} ended by timeout (drain not confirmed)"
-                    if timeouts
-                    else ""
-                ),
-                deferred,
-            )
-        )
+        verdict = deferred_verdict(deferred, opts.accept_drain_timeouts)
+        checks.append(Check(CHECK_NAME, verdict.passed, verdict.detail, deferred))
     failed = [c.name for c in checks if not c.passed]
     return ReleaseRecord(
         schema=SCHEMA,
@@ -378,6 +349,7 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
         safe_max_context_tokens=safe_ctx,
         checks=checks,
         deferred_cancellations=deferred,
+        accept_drain_timeouts=opts.accept_drain_timeouts,
         isolation=isolation,
         passed=not failed and bool(ok_m),
         failed_checks=failed or ([] if ok_m else ["no engine measured"]),
@@ -427,6 +399,8 @@ def markdown(record: ReleaseRecord) -> str:
         f"- largest safe context (measured): {record.safe_max_context_tokens}",
         f"- admission limit: {record.limits.get('admission_limit_tokens')} "
         f"({record.limits.get('source')}: {record.limits.get('why')})",
+        "- unconfirmed drains (timeout, shutdown): "
+        + ("ACCEPTED by the operator" if record.accept_drain_timeouts else "fail the gate"),
         "",
         "## Engines (measured at run time)",
         "",
@@ -475,6 +449,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--unknown-probe",
         help="a kvproxy URL whose engines are unreachable: must answer 503 capacity_unknown",
     )
+    p.add_argument(
+        "--accept-drain-timeouts",
+        action="store_true",
+        help="pass even if deferred cancellations ended by timeout or shutdown (drain not "
+        "confirmed); recorded in the release record",
+    )
     p.add_argument("--model", default="default")
     p.add_argument("--out", help="directory for release-record.json and release-record.md")
 
@@ -507,6 +487,7 @@ def options_from(args: argparse.Namespace) -> GateOptions:
         unknown_probe=strip(args.unknown_probe),
         out=Path(args.out) if args.out else None,
         model=args.model,
+        accept_drain_timeouts=args.accept_drain_timeouts,
     )
 
 

@@ -39,6 +39,8 @@ class Metrics:
         r = self.registry
 
         # --- requests ---------------------------------------------------------------------
+        # `route` is bounded: a counted route's name (kvproxy.prompt.Route), "passthrough" or
+        # "refused" (kvproxy.routes.RouteMatch.label); never a path.
         self.requests_total = Counter(
             "kvproxy_requests_total",
             "Requests handled, by route and admission decision.",
@@ -113,7 +115,8 @@ class Metrics:
         )
         self.decode_limit = Gauge(
             "kvproxy_decode_limit_tokens",
-            "Largest prompt + output that decode holds (inclusive); 0 while unknown.",
+            "Largest prompt + output the engines serve in full, neither refused nor cut "
+            "(inclusive); 0 while unknown.",
             registry=r,
         )
         self.declared_context = Gauge(

@@ -24,13 +24,37 @@ import orjson
 
 from kvproxy.errors import KvproxyError, invalid_request
 
-Route = Literal["chat", "completions", "generate"]
+Route = Literal[
+    "chat",
+    "completions",
+    "generate",
+    # Parsed in `kvproxy.prompt_routes` (the other prompt-carrying routes, kvproxy.routes).
+    "responses",
+    "messages",
+    "embeddings",
+    "classify",
+    "rerank",
+    "score",
+    "encode",
+    "native_classify",
+]
 
 _ROUTES: dict[str, Route] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/generate": "generate",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/embeddings": "embeddings",
+    "/v1/classify": "classify",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v1/score": "score",
+    "/encode": "encode",
+    "/classify": "native_classify",
 }
+# Routes whose sequences are chat messages rendered by the chat template.
+CHAT_ROUTES: frozenset[Route] = frozenset({"chat", "responses", "messages"})
 
 # Requests asking for more than 2**31 - 1 output tokens or 128 choices are malformed, not big:
 # OpenAI caps n at 128 and engines store max_tokens as int32.
@@ -90,14 +114,20 @@ class PromptShape:
     body_bytes: int
     # The request field holding the prompt, for error bodies: messages, prompt, text, input_ids.
     prompt_param: str
+    # False for prompt-only routes (embeddings, rerank, ...): no output, so no decode budget.
+    generates: bool = True
 
     @property
     def text_chars(self) -> int:
         return sum(p.text_chars for p in self.prompts)
 
 
+_CORE_ROUTES: frozenset[Route] = frozenset({"chat", "completions", "generate"})
+
+
 def route_for_path(path: str) -> Route | None:
-    """The inference route for a request path; None for everything else (passed through)."""
+    """The counted inference route for a path; None for everything else (`kvproxy.routes`
+    decides whether that is passed through or refused)."""
     if len(path) > 1 and path.endswith("/"):
         path = path.rstrip("/")
     return _ROUTES.get(path)
@@ -106,6 +136,11 @@ def route_for_path(path: str) -> Route | None:
 def parse_request(route: Route, body: bytes) -> PromptShape:
     """Parse one request body. Raises a `KvproxyError` (400) naming the offending field."""
     data = _load(body)
+    if route not in _CORE_ROUTES:
+        # Imported here: prompt_routes builds on this module's shapes and helpers.
+        from kvproxy import prompt_routes
+
+        return prompt_routes.parse(route, data, len(body))
     prompts: tuple[SequencePrompt, ...]
     if route == "chat":
         prompts, param = (_chat(data),), "messages"
@@ -449,6 +484,7 @@ def _sampling(sp: Any) -> tuple[int | None, int]:
 
 
 __all__ = [
+    "CHAT_ROUTES",
     "KvproxyError",
     "PromptShape",
     "Route",

@@ -1,12 +1,15 @@
 """The public handler: read the body, decide admission, forward, relay.
 
 Order matters and each step fails closed:
+  0. routes fail closed (kvproxy.routes): a path that is neither counted nor pass-through is a
+     404 and is never forwarded;
   1. refuse while stopping, refuse oversize bodies on Content-Length (413) before reading;
-  2. read the body under a deadline (slowloris: 408);
+  2. read the body under a deadline (slowloris: 408); on counted routes undo its
+     Content-Encoding (kvproxy.body: 400 undecodable, 415 unsupported, 413 past the limit);
   3. capacity unknown -> 503 before any parsing (I3);
   4. parse (400 naming the field), count (bound first, exact only if needed), decide (I1, I4);
   5. take in-flight budget (429 when it cannot be had in time);
-  6. forward the original bytes (no re-serialisation) and relay (I5, I6).
+  6. forward the bytes as read (decoded if they were; no re-serialisation) and relay (I5, I6).
 A rejected request sends nothing upstream (I7). Nothing here logs request or response text (I8).
 """
 
@@ -16,15 +19,19 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 
-import orjson
 from aiohttp import web
 
 from kvproxy import admission, errors
+from kvproxy.body import content_coding, decode, forwarded_headers, read_raw
+from kvproxy.budget import charge_tokens
+from kvproxy.clamp import clamp_output
 from kvproxy.errors import ErrorStyle, KvproxyError
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
-from kvproxy.prompt import PromptShape, Route, parse_request, route_for_path
+from kvproxy.prompt import PromptShape, Route, parse_request
 from kvproxy.relay import Exchange, error_response, filter_headers
+from kvproxy.routes import RouteMatch, route_table
 from kvproxy.state import ServerState
 
 log = logging.getLogger("kvproxy.proxy")
@@ -33,24 +40,33 @@ access_log = logging.getLogger(ACCESS_LOGGER)
 STATE_KEY = web.AppKey("kvproxy_state", ServerState)
 
 
+# SGLang's native routes answer in its flat error shape; everything else (the OpenAI routes,
+# and /v1/messages, where smg answers in the same OpenAI shape) gets OpenAI's.
+_SGLANG_STYLE: frozenset[Route | None] = frozenset({"generate", "encode", "native_classify"})
+
+
 def _style(route: Route | None) -> ErrorStyle:
-    return "sglang" if route == "generate" else "openai"
+    return "sglang" if route in _SGLANG_STYLE else "openai"
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    route = route_for_path(request.path)
+    # Decided on the raw path that is forwarded, never on a decoded form (kvproxy.routes).
+    match = route_table(state.settings.passthrough_routes).classify(
+        request.method, request.rel_url.raw_path
+    )
+    route = match.route
     rec = AccessRecord(
         request_id=request.headers.get("X-Request-ID") or os.urandom(16).hex(),
         method=request.method,
         path=request.path if route is not None else "other",
-        route=route or "passthrough",
+        route=match.label,
         started=time.monotonic(),
     )
     state.enter()
     try:
         try:
-            resp = await _handle(state, request, route, rec)
+            resp = await _handle(state, request, match, rec)
         except Exception as exc:
             # A bug must cost one request a 500, never the process; the log names the
             # exception type only (its message could quote request content).
@@ -83,9 +99,10 @@ def _client_gone_response() -> web.StreamResponse:
 
 
 async def _handle(
-    state: ServerState, request: web.Request, route: Route | None, rec: AccessRecord
+    state: ServerState, request: web.Request, match: RouteMatch, rec: AccessRecord
 ) -> web.StreamResponse | None:
     s = state.settings
+    route = match.route
     style = _style(route)
     tenant = state.tenants.resolve(request.headers)
     rec.tenant = tenant
@@ -101,6 +118,10 @@ async def _handle(
         )
         return _reject(state, rec, err, style)
 
+    if match.kind == "refused":
+        # Before the body is read: nothing of it is needed, and nothing is sent (I7).
+        return _reject(state, rec, errors.route_not_found(match.why), style)
+
     if request.content_length is not None and request.content_length > s.max_body_bytes:
         return _reject(
             state, rec, errors.body_too_large(request.content_length, s.max_body_bytes), style
@@ -109,7 +130,7 @@ async def _handle(
     try:
         # asyncio.timeout, not wait_for: no extra task per request on the hot path.
         async with asyncio.timeout(s.body_read_timeout_s):
-            body = await _read_body(request, s.max_body_bytes)
+            body = await read_raw(request, s.max_body_bytes)
     except KvproxyError as err:
         return _reject(state, rec, err, style)
     except TimeoutError:
@@ -133,6 +154,18 @@ async def _handle(
     if route is not None:
         if request.method != "POST":
             return _reject(state, rec, errors.method_not_allowed(request.method), style)
+        # Counted routes see (and forward) the decoded body, so what is counted is what the
+        # engine reads and the headers say what is sent; pass-through keeps the wire bytes.
+        try:
+            coding = content_coding(request.headers.getall("Content-Encoding", ()))
+            decoded = await decode(body, coding, s.max_body_bytes)
+        except KvproxyError as err:
+            return _reject(state, rec, err, style)
+        body = decoded.data
+        forwarded_headers(headers, decoded)
+        # The answer must come back uncompressed: the tripwire, the SSE reader and the usage
+        # drift check read its bytes, and compressed bytes would hide a foreign marker.
+        headers["Accept-Encoding"] = "identity"
         decided = await _admit(state, route, body, rec)
         if isinstance(decided, KvproxyError):
             return _reject(state, rec, decided, style)
@@ -141,7 +174,8 @@ async def _handle(
         extra["X-Kvproxy-Decision"] = "admitted"
         extra["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
         try:
-            lease = await state.budget.acquire(verdict.prompt_tokens)
+            # The budget holds what the engines will hold: every sequence, every sample.
+            lease = await state.budget.acquire(charge_tokens(verdict.total, shape.n))
         except KvproxyError as err:
             return _reject(state, rec, err, style, extra)
         rec.decision = "admitted"
@@ -159,7 +193,11 @@ async def _handle(
         # Clamped from the verdict that holds at send time: a decode pool that shrank while
         # the request queued needs a smaller cap than the one decided before (I4).
         if verdict.clamped_output_tokens is not None:
-            body = _clamp_output(body, route, verdict.clamped_output_tokens)
+            try:
+                body = clamp_output(body, route, verdict.clamped_output_tokens)
+            except KvproxyError as err:
+                lease.release()
+                return _reject(state, rec, err, style, extra)
             extra["X-Kvproxy-Output-Clamped"] = str(verdict.clamped_output_tokens)
 
     scanner = state.canaries.scanner(tenant) if state.canaries.active else None
@@ -185,16 +223,6 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    # Content-Length was checked already; chunked uploads are counted as they arrive.
-    buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise errors.body_too_large(None, limit)
-    return bytes(buf)
-
-
 async def _admit(
     state: ServerState, route: Route, body: bytes, rec: AccessRecord
 ) -> tuple[PromptShape, admission.Admit] | KvproxyError:
@@ -208,7 +236,9 @@ async def _admit(
         return err
     t0 = time.perf_counter()
     try:
-        count = await state.counter.count(shape, _admit_at_most(state, shape, limits))
+        count = await state.counter.count(
+            shape, _admit_at_most(state, shape, limits), _charge_at_most(state, shape)
+        )
     except KvproxyError as err:
         return err
     m = state.metrics
@@ -216,7 +246,9 @@ async def _admit(
     m.prompt_tokens.labels(count.method).observe(count.tokens)
     rec.prompt_tokens = count.tokens
     rec.count_method = count.method
-    verdict = _decide(state, shape, count.tokens, count.method, count.exact, limits)
+    verdict = _decide(
+        state, shape, count.tokens, count.total_tokens, count.method, count.exact, limits
+    )
     if isinstance(verdict, admission.Reject):
         return verdict.error
     return shape, verdict
@@ -231,6 +263,7 @@ def _recheck(
         state,
         shape,
         verdict.prompt_tokens,
+        verdict.total,
         verdict.method,
         verdict.method != "bound",
         state.capacity.limits(),
@@ -241,6 +274,7 @@ def _decide(
     state: ServerState,
     shape: PromptShape,
     tokens: int,
+    total_tokens: int,
     method: admission.CountMethod,
     exact: bool,
     limits: admission.LimitsView,
@@ -252,11 +286,46 @@ def _decide(
         output_tokens=shape.max_output_tokens,
         n=shape.n,
         param=shape.prompt_param,
+        total_tokens=total_tokens,
     )
     s = state.settings
+    if not shape.generates:
+        # Prompt-only routes (embeddings, rerank, ...) generate nothing: I1 applies, I4 not.
+        limits = _PromptOnly(limits)
     return admission.decide(
         count, limits, admission.Policy(s.decode_policy, s.default_output_tokens)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _PromptOnly:
+    """The limits with no decode side, for requests that generate no tokens."""
+
+    inner: admission.LimitsView
+
+    @property
+    def known(self) -> bool:
+        return self.inner.known
+
+    @property
+    def admission_limit_tokens(self) -> int | None:
+        return self.inner.admission_limit_tokens
+
+    @property
+    def decode_limit_tokens(self) -> int | None:
+        return None
+
+    @property
+    def decode_prompt_limit_tokens(self) -> int | None:
+        return None
+
+    @property
+    def source(self) -> str:
+        return self.inner.source
+
+    @property
+    def why(self) -> str:
+        return self.inner.why
 
 
 def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.LimitsView) -> int:
@@ -264,10 +333,23 @@ def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.Lim
     whenever its cheap bound would fail either check (I1 on prefill, I4 on decode)."""
     limit = limits.admission_limit_tokens or 0
     decode = limits.decode_limit_tokens
-    if decode is not None and state.settings.decode_policy == "reject":
-        out = shape.max_output_tokens or state.settings.default_output_tokens
-        limit = min(limit, decode - out * max(shape.n, 1))
+    if decode is not None and shape.generates and state.settings.decode_policy == "reject":
+        out = shape.max_output_tokens
+        if out is None:
+            out = state.settings.default_output_tokens
+        prompt_only = limits.decode_prompt_limit_tokens
+        if out == 0 and prompt_only is not None:
+            limit = min(limit, max(prompt_only, decode))  # admission.decide's two checks
+        else:
+            limit = min(limit, decode - out * max(shape.n, 1))
     return max(limit, 0)
+
+
+def _charge_at_most(state: ServerState, shape: PromptShape) -> int | None:
+    """The largest batch total the budget could ever lend, so the counter tokenizes exactly
+    rather than refuse a batch whose summed bound, not its real size, is over the budget."""
+    max_tokens = state.budget.max_tokens
+    return None if max_tokens is None else max_tokens // max(shape.n, 1)
 
 
 def _reject(
@@ -286,18 +368,6 @@ def _reject(
     if rec.prompt_tokens is not None:
         headers["X-Kvproxy-Prompt-Tokens"] = str(rec.prompt_tokens)
     return error_response(err, headers, style)
-
-
-def _clamp_output(body: bytes, route: Route, max_tokens: int) -> bytes:
-    # Only under decode_policy=clamp do we re-serialise: the request must carry the new cap.
-    data = orjson.loads(body)
-    if route == "generate":
-        sp = data.setdefault("sampling_params", {})
-        sp["max_new_tokens"] = max_tokens
-    else:
-        data.pop("max_completion_tokens", None)
-        data["max_tokens"] = max_tokens
-    return orjson.dumps(data)
 
 
 def _drift(state: ServerState, rec: AccessRecord, engine_tokens: int) -> None:

@@ -366,9 +366,10 @@ class Exchange:
 
     def _read_usage(self, payload: bytes) -> None:
         with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
-            usage = orjson.loads(payload).get("usage")
-            if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-                self.usage.prompt_tokens = usage["prompt_tokens"]
+            usage = orjson.loads(payload).get("usage")  # input_tokens: responses, messages
+            tokens = usage.get("prompt_tokens", usage.get("input_tokens"))
+            if isinstance(tokens, int):
+                self.usage.prompt_tokens = tokens
 
     async def _finish(
         self, up: aiohttp.ClientResponse, buffering: bool

@@ -18,6 +18,12 @@ Formats read (OpenAI-compatible servers, SGLang, vLLM):
     SGLang /generate   {"text": "...", "meta_info": {"completion_tokens": n, ...}, "index": i}
                        (text is cumulative in SGLang's default mode, incremental with
                        --incremental-streaming-output; `StreamTexts` tells them apart)
+    Responses stream   {"type": "response.output_text.delta" | "response.refusal.delta" |
+                         "response.reasoning_text.delta" | "response.function_call_arguments
+                         .delta", "delta": "...", "output_index": i}
+    Messages stream    {"type": "content_block_delta", "index": i, "delta": {"text" |
+                         "thinking" | "partial_json": "..."}}
+    (whole bodies: a Responses object's `output` items, a Messages object's `content`)
     error event        {"error": {...}} or {"object": "error", ...}: no text, no token
     end of stream      [DONE]
 """
@@ -219,6 +225,8 @@ class StreamTexts:
             return _choices_info(choices)
         if isinstance(obj.get("text"), str):
             return self._generate_info(obj)
+        if isinstance(obj.get("type"), str):
+            return _typed_event_info(obj)
         return _NOTHING
 
     def _generate_info(self, obj: dict[str, Any]) -> PayloadInfo:
@@ -245,6 +253,63 @@ class StreamTexts:
         completion = meta.get("completion_tokens") if isinstance(meta, dict) else None
         token = bool(new) or (isinstance(completion, int) and completion >= 1)
         return PayloadInfo(texts=[(index, new)] if new else [], has_token=token)
+
+
+# /v1/responses and /v1/messages stream events that carry generated text (the others:
+# lifecycle events, and `response.completed`, which repeats text already seen in deltas).
+_RESPONSES_DELTAS = frozenset(
+    {
+        "response.output_text.delta",
+        "response.refusal.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.function_call_arguments.delta",
+    }
+)
+_MESSAGES_DELTA_KEYS = ("text", "thinking", "partial_json")
+
+
+def _typed_event_info(obj: dict[str, Any]) -> PayloadInfo:
+    kind = obj["type"]
+    text: Any = None
+    if kind in _RESPONSES_DELTAS:
+        text, index = obj.get("delta"), obj.get("output_index", 0)
+    elif kind == "content_block_delta":
+        delta, index = obj.get("delta"), obj.get("index", 0)
+        if isinstance(delta, dict):
+            text = next((delta[k] for k in _MESSAGES_DELTA_KEYS if k in delta), None)
+    if not isinstance(text, str) or not text:
+        return _NOTHING
+    return PayloadInfo(texts=[(index if isinstance(index, int) else 0, text)], has_token=True)
+
+
+def _api_object_texts(item: dict[str, Any]) -> list[str]:
+    """Generated strings of a Responses object (`output` items) or a Messages object
+    (`content` blocks), the shapes smg and SGLang return for those routes."""
+    out: list[str] = []
+    blocks: list[Any] = []
+    output = item.get("output")
+    if isinstance(output, list):
+        for entry in output:
+            if not isinstance(entry, dict):
+                continue
+            out.extend(entry[k] for k in ("name", "arguments") if isinstance(entry.get(k), str))
+            for key in ("content", "summary"):
+                if isinstance(entry.get(key), list):
+                    blocks.extend(entry[key])
+    elif item.get("type") == "message" and isinstance(item.get("content"), list):
+        blocks = item["content"]
+    for block in blocks:
+        if not isinstance(block, dict):
+            continue
+        out.extend(
+            block[k]
+            for k in ("text", "refusal", "thinking", "name")
+            if isinstance(block.get(k), str)
+        )
+        if isinstance(block.get("input"), dict):
+            out.append(orjson.dumps(block["input"]).decode())
+    return out
 
 
 def _choices_info(choices: list[Any]) -> PayloadInfo:
@@ -319,4 +384,6 @@ def body_texts(body: bytes) -> list[str]:
                     out.append(choice["text"])
         elif isinstance(item.get("text"), str):
             out.append(item["text"])
+        else:
+            out.extend(_api_object_texts(item))
     return [t for t in out if t]

@@ -19,7 +19,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class FakeUpstream:
     """An aiohttp app on 127.0.0.1:0 whose routes a test defines; records what arrived."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, auto_decompress: bool = True) -> None:
+        # auto_decompress=False records bodies exactly as the proxy put them on the wire.
+        self.auto_decompress = auto_decompress
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.received: list[dict[str, Any]] = []
         self.runner: web.AppRunner | None = None
@@ -42,7 +44,9 @@ class FakeUpstream:
         self.app.router.add_route(method, path, recording)
 
     async def start(self) -> None:
-        self.runner = web.AppRunner(self.app, shutdown_timeout=1.0)
+        self.runner = web.AppRunner(
+            self.app, shutdown_timeout=1.0, auto_decompress=self.auto_decompress
+        )
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
@@ -132,11 +136,12 @@ async def sim_and_proxy(
 
     opts = SimOptions(**{"port": 0, "prefill_port": 0, "decode_port": 0, **(sim_options or {})})
     async with SimCluster(opts) as sim:
+        kind = opts.flavor  # probe the engines the way their flavour answers
         overrides.setdefault(
             "engines",
             [
-                {"url": sim.prefill_url, "role": "prefill", "kind": "sglang"},
-                {"url": sim.decode_url, "role": "decode", "kind": "sglang"},
+                {"url": sim.prefill_url, "role": "prefill", "kind": kind},
+                {"url": sim.decode_url, "role": "decode", "kind": kind},
             ],
         )
         async with running_proxy(sim.router_url, **overrides) as proxy:

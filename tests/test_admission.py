@@ -18,6 +18,7 @@ class L:
     known: bool = True
     admission_limit_tokens: int | None = 681_273
     decode_limit_tokens: int | None = 1_000_000
+    decode_prompt_limit_tokens: int | None = None
     source: str = "measured"
     why: str = "measured prefill KV pool of prefill-0"
 
@@ -121,3 +122,28 @@ def test_never_admits_above_either_limit(
     if isinstance(verdict, Admit):
         assert tokens <= limit
         assert tokens + (out if out is not None else 1) * n <= decode
+
+
+def test_unified_pool_5007_limit_is_reachable_with_output() -> None:
+    # Issue #15.5: SGLang's uncut prompt + output on a 5,007-token pool (pages of 1) is
+    # 5,005 while the largest prompt is 5,000 (kvproxy/capacity/limits.py).
+    limits = L(admission_limit_tokens=5_000, decode_limit_tokens=5_005)
+    for out in (0, 1, 5):
+        assert isinstance(decide(count(5_000, out=out), limits, Policy()), Admit)
+    verdict = decide(count(5_000, out=6), limits, Policy())
+    assert isinstance(verdict, Reject)
+    assert orjson.loads(verdict.error.body("openai"))["error"]["param"] == "max_tokens"
+
+
+def test_no_output_needs_only_the_decode_engines_input_limit() -> None:
+    # Pages of 16 on a unified 5,312 pool: prompt limit 5,305, but the page-aware output
+    # bound makes prompt + output <= 5,280. A prompt asking for no output is served by the
+    # engine up to its input limit, so the published limit stays reachable.
+    limits = L(
+        admission_limit_tokens=5_305, decode_limit_tokens=5_280, decode_prompt_limit_tokens=5_305
+    )
+    assert isinstance(decide(count(5_305, out=0), limits, Policy()), Admit)
+    assert isinstance(decide(count(5_290, out=1), limits, Policy()), Reject)
+    # Without the decode engines' input limit the sum alone decides (never more lenient).
+    strict = L(admission_limit_tokens=5_305, decode_limit_tokens=5_280)
+    assert isinstance(decide(count(5_305, out=0), strict, Policy()), Reject)

@@ -118,13 +118,15 @@ async def test_completions_token_ids_and_generate_are_judged_on_their_own_counts
 
 async def test_decode_budget_rejects_prompt_plus_output(http: aiohttp.ClientSession) -> None:
     async with sim_and_proxy(max_context=8192) as (sim, proxy):
-        # Decode holds min(8,192, 16,384) - 7 = 8,185 tokens of prompt + output.
-        body = {"model": "m", "prompt": [65] * 5000, "max_tokens": 3186}
+        # Decode serves prompt + output uncut up to max_req_len - 1 = min(8,191, 16,383) - 1
+        # = 8,190 (the scheduler's clamp, init_req_max_new_tokens); past it SGLang would
+        # silently cut the output.
+        body = {"model": "m", "prompt": [65] * 5000, "max_tokens": 3191}
         async with http.post(proxy.public_url + "/v1/completions", json=body) as resp:
             assert resp.status == 400
             err = (await resp.json())["error"]
             assert err["param"] == "max_tokens"
-        body["max_tokens"] = 3185
+        body["max_tokens"] = 3190
         async with http.post(proxy.public_url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
         truth = await stats(http, sim.router_url)

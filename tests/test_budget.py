@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import random
 
+import aiohttp
 import pytest
+from aiohttp import web
+from kvtest import FakeUpstream, running_proxy, wait_until
 from prometheus_client import CollectorRegistry
 
-from kvproxy.budget import InflightBudget, Lease
+from kvproxy.budget import InflightBudget, Lease, charge_tokens
 from kvproxy.errors import KvproxyError
 from kvproxy.metrics import Metrics
 
@@ -264,3 +267,103 @@ async def test_negative_tokens_is_a_caller_bug() -> None:
     b, _ = make()
     with pytest.raises(ValueError, match="tokens"):
         await b.acquire(-1)
+
+
+# --- what a request is charged, through the proxy ------------------------------------------
+# The admission limit is per sequence; the budget must hold what the engines hold: every
+# sequence of a batch, every sample (n / best_of). Ground truth: the budget's own gauge while
+# the upstream holds the request, and the 429 a batch that can never fit gets.
+
+TEXT = "a" * 4_990  # ~5,000 tokens by the byte bound: one fits a 6,000 budget, two do not
+IDS = list(range(5_000))
+
+BATCHES: dict[str, tuple[str, dict[str, object]]] = {
+    "generate text batch": ("/generate", {"text": [TEXT, TEXT]}),
+    "generate input_ids batch": ("/generate", {"input_ids": [IDS, IDS]}),
+    "generate n=2": ("/generate", {"text": TEXT, "sampling_params": {"n": 2}}),
+    "generate per-item n": (
+        "/generate",
+        {"text": [TEXT], "sampling_params": [{"n": 2, "max_new_tokens": 4}]},
+    ),
+    "completions prompt list": ("/v1/completions", {"model": "m", "prompt": [TEXT, TEXT]}),
+    "completions token-id arrays": ("/v1/completions", {"model": "m", "prompt": [IDS, IDS]}),
+    "completions n=2": ("/v1/completions", {"model": "m", "prompt": TEXT, "n": 2}),
+    "completions best_of=2": ("/v1/completions", {"model": "m", "prompt": TEXT, "best_of": 2}),
+    "chat n=2": (
+        "/v1/chat/completions",
+        {"model": "m", "n": 2, "messages": [{"role": "user", "content": TEXT}]},
+    ),
+}
+
+
+def _single(path: str, body: dict[str, object]) -> dict[str, object]:
+    """The same request with one sequence and one sample."""
+    one = dict(body)
+    one.pop("n", None)
+    one.pop("best_of", None)
+    one.pop("sampling_params", None)
+    for key in ("text", "input_ids", "prompt"):
+        value = one.get(key)
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            one[key] = value[0]
+    return one
+
+
+@pytest.mark.parametrize("case", list(BATCHES))
+async def test_a_batch_that_can_never_fit_the_budget_is_429(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, case: str
+) -> None:
+    path, body = BATCHES[case]
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"id": "ok", "choices": []})
+
+    upstream.route("POST", path, ok)
+    await upstream.start()
+    async with running_proxy(upstream.url, max_inflight_prompt_tokens=6_000) as proxy:
+        # One sequence, one sample of the same prompt fits: the limit is not what refuses.
+        async with http.post(proxy.public_url + path, json=_single(path, body)) as resp:
+            assert resp.status == 200, await resp.text()
+        async with http.post(proxy.public_url + path, json=body) as resp:
+            assert resp.status == 429
+            doc = await resp.json()
+            text = doc["message"] if path == "/generate" else doc["error"]["message"]
+            assert "never fit" in text
+        assert proxy.state.budget.tokens_in_use == 0
+    assert len(upstream.received) == 1
+
+
+@pytest.mark.parametrize("case", list(BATCHES))
+async def test_the_budget_holds_every_sequence_and_sample_until_the_upstream_closes(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, case: str
+) -> None:
+    path, body = BATCHES[case]
+    release = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        if len(upstream.received) > 1:
+            await asyncio.wait_for(release.wait(), 30)
+        return web.json_response({"id": "ok", "choices": []})
+
+    upstream.route("POST", path, held)
+    await upstream.start()
+    async with running_proxy(upstream.url, max_inflight_prompt_tokens=100_000) as proxy:
+        async with http.post(proxy.public_url + path, json=_single(path, body)) as resp:
+            assert resp.status == 200
+            single = int(resp.headers["X-Kvproxy-Prompt-Tokens"])
+        pending = asyncio.ensure_future(http.post(proxy.public_url + path, json=body))
+        budget = proxy.state.budget
+        assert await wait_until(lambda: len(upstream.received) == 2)
+        # Two sequences of one sample, or one sequence of two samples: twice the single.
+        assert budget.tokens_in_use == 2 * single
+        release.set()
+        async with await pending as resp:
+            assert resp.status == 200
+            assert int(resp.headers["X-Kvproxy-Prompt-Tokens"]) == single
+        assert await wait_until(lambda: budget.tokens_in_use == 0)
+
+
+def test_charge_is_the_sum_once_per_sample() -> None:
+    assert charge_tokens(10_000, 1) == 10_000
+    assert charge_tokens(10_000, 3) == 30_000
+    assert charge_tokens(7, 0) == 7

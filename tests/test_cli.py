@@ -108,3 +108,18 @@ async def test_sigterm_waits_for_in_flight_request_then_exits_0() -> None:
             proc.kill()
             await proc.wait()
         await up.close()
+
+
+def test_a_subcommand_imports_only_its_own_module() -> None:
+    """The plain-install break came from parsing: the simulator (and its dependencies) was
+    imported for every subcommand. Now `serve` imports neither the simulator nor the gate."""
+    code = (
+        "import sys; from kvproxy.cli import build_parser; "
+        "build_parser(['serve']).parse_args(['serve']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('kvproxy.sim', 'kvproxy.gate', "
+        "'kvproxy.isolation'))))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert res.stdout.strip() == "[]"

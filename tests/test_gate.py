@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import jsonschema
 import pytest
-from kvtest import canary_settings, sim_and_proxy
+from aiohttp import web
+from kvtest import FakeUpstream, canary_settings, running_proxy, sim_and_proxy, wait_until
 
+from kvproxy.app import KvproxyServer
 from kvproxy.config import EngineSpec
 from kvproxy.gate import SCHEMA_PATH, GateOptions, markdown, run_gate, write_record
+from kvproxy.gate_deferred import deferred_verdict
+from kvproxy.metrics import DEFERRED_OUTCOMES
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
 
@@ -179,3 +186,101 @@ async def test_engines_and_declared_context_come_from_the_config_file(tmp_path: 
     record = validate(tmp_path / "release-record.json")
     assert record["engines"][0]["url"] == "http://127.0.0.1:9"
     assert record["declared_context_tokens"] == 4096
+
+
+# --- deferred cancellations: an unconfirmed drain fails the gate unless accepted -------------
+
+
+async def _proxy_with_a_timed_out_deferral(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> AsyncIterator[KvproxyServer]:
+    """A real proxy whose one deferred cancellation ended by the drain timeout: the client
+    left while the upstream had sent nothing, and the upstream stayed silent."""
+
+    async def silent(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(3000):  # bounded: ~30 s, ended early when the proxy closes
+            if request.transport is None or request.transport.is_closing():
+                break
+            await asyncio.sleep(0.01)
+        return resp
+
+    upstream.route("POST", "/v1/chat/completions", silent)
+    await upstream.start()
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with running_proxy(upstream.url, drain_timeout_s=0.2) as proxy:
+        post = asyncio.ensure_future(
+            http.post(proxy.public_url + "/v1/chat/completions", json=body)
+        )
+        assert await wait_until(lambda: len(upstream.received) == 1)
+        post.cancel()  # the client leaves before the first token (before any header, too)
+        with contextlib.suppress(asyncio.CancelledError):
+            await post
+        timeouts = proxy.metrics.deferred_total.labels("timeout")
+        assert await wait_until(lambda: timeouts._value.get() == 1)
+        yield proxy
+
+
+STATIC = (EngineSpec(url="static://p", role="unified", kind="static", capacity_tokens=8192),)
+
+
+@pytest.mark.parametrize("accept", [False, True])
+async def test_a_drain_timeout_fails_the_gate_unless_the_operator_accepts_it(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, tmp_path: Path, accept: bool
+) -> None:
+    async for proxy in _proxy_with_a_timed_out_deferral(upstream, http):
+        record = await run_gate(
+            GateOptions(
+                engines=STATIC,
+                max_context=None,
+                proxy_admin=proxy.admin_url,
+                accept_drain_timeouts=accept,
+            ),
+            lambda _: None,
+        )
+    check = next(c for c in record.checks if c.name == "deferred cancellations")
+    assert check.data["by_outcome"]["timeout"] == 1
+    assert check.data["unconfirmed"] == 1
+    assert record.accept_drain_timeouts is accept
+    assert check.passed is accept
+    assert record.passed is accept
+    assert ("deferred cancellations" in record.failed_checks) is not accept
+    assert "--accept-drain-timeouts" in check.detail
+    data = validate(write_record(record, tmp_path)[0])
+    assert data["accept_drain_timeouts"] is accept
+    assert ("ACCEPTED" in markdown(record)) is accept
+
+
+async def test_the_cli_flag_reaches_the_release_record(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    engines = json.dumps([{"url": "static://p", "role": "unified", "kind": "static",
+                           "capacity_tokens": 8192}])  # fmt: skip
+    async for proxy in _proxy_with_a_timed_out_deferral(upstream, http):
+        common = ("--engines", engines, "--proxy-admin", proxy.admin_url)
+        rc_fail, out_fail = await run_cli(*common, "--out", str(tmp_path / "fail"))
+        rc_ok, out_ok = await run_cli(
+            *common, "--accept-drain-timeouts", "--out", str(tmp_path / "ok")
+        )
+    assert rc_fail == 1, out_fail
+    assert "FAIL  deferred cancellations" in out_fail
+    assert validate(tmp_path / "fail" / "release-record.json")["accept_drain_timeouts"] is False
+    assert rc_ok == 0, out_ok
+    assert validate(tmp_path / "ok" / "release-record.json")["accept_drain_timeouts"] is True
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "passed"),
+    [
+        ({"first_token": 3, "completed": 1, "upstream_error": 2}, True),
+        ({"first_token": 3, "shutdown": 1}, False),
+        ({"timeout": 2}, False),
+    ],
+)
+def test_only_confirmed_drains_pass_without_acceptance(
+    outcomes: dict[str, int], passed: bool
+) -> None:
+    by_outcome = {o: float(outcomes.get(o, 0)) for o in DEFERRED_OUTCOMES}
+    assert deferred_verdict({"by_outcome": by_outcome}, False).passed is passed
+    assert deferred_verdict({"by_outcome": by_outcome}, True).passed is True

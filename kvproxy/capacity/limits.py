@@ -4,23 +4,43 @@ decode limits from all engines. Sans-IO; used by the monitor and by `kvproxy che
 Every limit is an inclusive token count: the largest prompt (or prompt + output) that
 fits. The rules, each with the reason for its off-by-one:
 
-SGLang (scheduler arithmetic, facts/ENGINES.md):
-    max_req_len       = min(context_len - 1, pool - 1)
-    max_req_input_len = max_req_len - 5
-    a prompt is refused when len(input_ids) >= max_req_input_len
-so the largest accepted prompt is `max_req_input_len - 1 = min(context, pool) - 7`
+SGLang (behaviour of python/sglang/srt, each rule with the file it follows):
+    reserve           = max(eagle_topk * num_steps, num_draft_tokens) under an EAGLE-family
+                        algorithm, else 0   (managers/tokenizer_manager.py
+                        num_reserved_tokens; managers/utils.py compute_num_reserved_tokens)
+    a prompt is refused when len(input_ids) + reserve >= context_len
+                                            (tokenizer_manager._validate_one_request)
+    and when input + reserve + max_new_tokens > context_len (current builds; >= in older
+                        ones, so we use the stricter >=)   (same function)
+    max_req_len       = min(context_len - 1, pool x dcp_size - 1)
+                        (managers/tp_worker.py get_worker_info; x dcp since PR #33448)
+    max_req_input_len = max_req_len - 5, refused when len(input_ids) >= it
+                        (managers/utils.py validate_input_length)
+so the largest accepted prompt is min(context - 7, context - reserve - 1, pool x dcp - 7)
 (pool 5,322 / context 8,192 -> 5,315; pool 681,280 -> 681,273). When the engine reports
 `max_req_input_len` we take `it - 1` and still apply the formula to every other report
-(DP ranks, metrics), keeping the smallest.
-Decode side (SGLang): the decode engine runs the same input check on the same body and
-must hold prompt + output in its pool. We use the *same* number for prompt + output,
-`min(context, pool) - 7`: it satisfies the input check for any output >= 1 and keeps 6
-tokens of the pool spare. Conservative by design: it never admits a pair the engine
-could not hold.
+(DP ranks, metrics), keeping the smallest. DCP scales the pool only when the engine's own
+`max_req_input_len` shows that its build does (before PR #33448 it did not): without that
+report the per-rank pool is used, which is safe on every build.
+Decode side (SGLang): the scheduler never refuses an output; it silently clamps
+`max_new_tokens` (managers/scheduler.py init_req_max_new_tokens) to
+    min(max_req_len - input - 1, pool x dcp - ceil_page(input) - page_size - 1)
+(the second term since PR #25126, x dcp since PR #33448). The decode limit is the largest
+prompt + output the engine serves in full, neither refused nor cut:
+    min(max_req_len - 1, pool x dcp - 2 x page_size, context - reserve - 1)
+(ceil_page(input) <= input + page_size - 1 turns the page term into a bound on the sum;
+on builds before #25126 it is up to two pages stricter than needed). So the published
+limit stays reachable with a small output: pool 5,007 in pages of 1 admits a 5,000-token
+prompt with up to 5 output tokens, exactly what the engine generates without cutting.
+A prefill engine generates nothing, but its tokenizer manager runs the same total check on
+the same body: it contributes `context - reserve - 1` to the decode limit.
 
-vLLM: a request is accepted while prompt + max_tokens <= max_model_len, and the whole
-sequence must fit the KV pool, so the decode limit is `min(max_model_len, pool)`; the
-input limit is one less, because at least one output token must fit.
+vLLM: a request is accepted while prompt + max_tokens <= max_model_len (entrypoints
+renderer, v0.18+ message "requested M output tokens and your prompt contains T input
+tokens"), and the whole sequence must fit the KV pool, so the decode limit is
+`min(max_model_len, pool)`; the input limit is one less, because at least one output
+token must fit. vLLM refuses to start when max_model_len exceeds one engine's pool
+(v1/core/kv_cache_utils.py), so on vLLM the context is what binds in practice.
 
 Static engines: the declared `capacity_tokens` is both limits, labelled declared.
 
@@ -35,7 +55,10 @@ from dataclasses import dataclass
 
 from kvproxy.capacity.measurement import BoundBy, EngineMeasurement, Role, Source
 
-# min(context, pool) - SGLANG_RESERVED_TOKENS is the largest prompt SGLang accepts.
+# The scheduler's offset: without a speculative reserve, min(context, pool x dcp) -
+# SGLANG_RESERVED_TOKENS is the largest prompt SGLang accepts (max_req_len is one below
+# the smaller, max_req_input_len five below that, refused at >=). A speculative reserve
+# is a separate rule (sglang_limits), never folded into this constant.
 SGLANG_RESERVED_TOKENS = 7
 
 _ADMISSION_ROLES = ("prefill", "unified")
@@ -49,37 +72,88 @@ class EngineLimits:
     bound_by: BoundBy
     # True when the engine's own max_req_input_len is the binding number.
     from_reported: bool = False
+    # Largest prompt + output the engine's front end accepts (its context check), for
+    # engines whose role adds no decode limit of their own (prefill).
+    request_limit_tokens: int | None = None
+    # True when DCP scaled the pool (the engine's own report showed its build does).
+    dcp_scaled: bool = False
 
 
 def sglang_limits(
-    *, pool_tokens: int, context_tokens: int | None, max_req_input_len: int | None
+    *,
+    pool_tokens: int,
+    context_tokens: int | None,
+    max_req_input_len: int | None,
+    reserved_tokens: int = 0,
+    dcp_size: int = 1,
+    page_size: int | None = None,
 ) -> EngineLimits:
-    """SGLang's inclusive input limit; the smallest of every applicable derivation."""
+    """SGLang's inclusive limits; the smallest of every applicable derivation."""
     if context_tokens is None and max_req_input_len is None:
         # The pool alone is not enough: a smaller context would bind below it.
         raise ValueError("SGLang limit needs a context length or max_req_input_len")
+    # tp_worker: max_req_len <= pool - 1 without DCP, so a reported max_req_input_len above
+    # pool - 6 can only come from a build that scales the pool by dcp_size (PR #33448).
+    dcp_scaled = (
+        dcp_size > 1 and max_req_input_len is not None and max_req_input_len + 5 > pool_tokens - 1
+    )
+    pool = pool_tokens * dcp_size if dcp_scaled else pool_tokens
     candidates: list[tuple[int, BoundBy, bool]] = []
-    if context_tokens is not None and context_tokens < pool_tokens:
+    if context_tokens is not None and context_tokens < pool:
         candidates.append((context_tokens - SGLANG_RESERVED_TOKENS, "context", False))
     else:
         # Valid with or without a context: the engine never accepts more than pool - 7.
         # This is what catches a DP rank whose pool is below the one max_req_input_len
         # was computed from (the top-level report is rank 0's).
-        candidates.append((pool_tokens - SGLANG_RESERVED_TOKENS, "pool", False))
+        candidates.append((pool - SGLANG_RESERVED_TOKENS, "pool", False))
+    # The tokenizer manager's context: when no report names it, the smallest context the
+    # engine's max_req_input_len allows (max_req_len + 1) keeps the reserve rule safe.
+    check_context = context_tokens
+    if check_context is None and max_req_input_len is not None:
+        check_context = max_req_input_len + 6
+    if check_context is not None and reserved_tokens:
+        # tokenizer_manager: input + reserve >= context_len is refused.
+        candidates.append((check_context - reserved_tokens - 1, "context", False))
     if max_req_input_len is not None:
         reported = max_req_input_len - 1
-        bound: BoundBy = "pool" if reported >= pool_tokens - SGLANG_RESERVED_TOKENS else "context"
+        bound: BoundBy = "pool" if reported >= pool - SGLANG_RESERVED_TOKENS else "context"
         candidates.append((reported, bound, True))
     # On a tie prefer the engine's own report: it is the more specific source.
     limit, bound_by, reported_binds = min(candidates, key=lambda c: (c[0], not c[2]))
-    return EngineLimits(limit, limit, bound_by, reported_binds)
+
+    max_req_len = pool - 1
+    if context_tokens is not None:
+        max_req_len = min(max_req_len, context_tokens - 1)
+    if max_req_input_len is not None:
+        max_req_len = min(max_req_len, max_req_input_len + 5)
+    decode = max_req_len - 1  # scheduler clamp: max_new <= max_req_len - input - 1
+    if page_size is not None:
+        # PR #25126: max_new <= pool - ceil_page(input) - page - 1. Builds without page_size
+        # in /server_info predate it. Under DCP the allocator's page may span every rank's
+        # share (dcp x page_size): the wider page is the safe reading.
+        page = page_size * dcp_size if dcp_scaled else page_size
+        decode = min(decode, pool - 2 * page)
+    request_limit = None
+    # Without a reported context the inferred one is only used where a reserve needs it:
+    # it could sit far below the real context and would cut outputs needlessly.
+    if context_tokens is not None or (check_context is not None and reserved_tokens):
+        request_limit = (context_tokens or check_context or 0) - reserved_tokens - 1
+        decode = min(decode, request_limit)
+    return EngineLimits(
+        limit,
+        decode,
+        bound_by,
+        reported_binds,
+        request_limit_tokens=request_limit,
+        dcp_scaled=dcp_scaled,
+    )
 
 
 def vllm_limits(*, pool_tokens: int, max_model_len: int) -> EngineLimits:
     """vLLM's inclusive limits: prompt <= min(len, pool) - 1, prompt + output <= min."""
     decode = min(max_model_len, pool_tokens)
     bound: BoundBy = "pool" if pool_tokens < max_model_len else "context"
-    return EngineLimits(decode - 1, decode, bound)
+    return EngineLimits(decode - 1, decode, bound, request_limit_tokens=max_model_len)
 
 
 def static_limits(capacity_tokens: int) -> EngineLimits:
@@ -100,6 +174,11 @@ class Limits:
     decode_source: Source = "measured"
     decode_why: str = ""
     decode_binding_engine: str | None = None
+    # Largest prompt every decode-side engine accepts with no output at all. A prompt this
+    # long with max_tokens 0 is served even where the decode limit (a bound on prompt +
+    # output, linear in both) sits below it: SGLang's page-aware clamp makes the pool term
+    # up to 2 x page_size stricter than the input check.
+    decode_prompt_limit_tokens: int | None = None
     # Smallest measured (not declared) prefill/unified input limit, before margin.
     measured_limit_tokens: int | None = None
     margin_tokens: int = 0
@@ -118,6 +197,7 @@ class Limits:
             "decode_source": self.decode_source,
             "decode_why": self.decode_why,
             "decode_binding_engine": self.decode_binding_engine,
+            "decode_prompt_limit_tokens": self.decode_prompt_limit_tokens,
             "declared_context": self.declared_context,
             "measured_limit_tokens": self.measured_limit_tokens,
             "margin_tokens": self.margin_tokens,
@@ -162,6 +242,7 @@ def derive_limits(
     unknown = dict(unknown or {})
     adm: list[_Candidate] = []
     dec: list[_Candidate] = []
+    dec_prompt: list[int] = []
     capacities: list[tuple[int, EngineMeasurement]] = []
     for m in measurements:
         declared = m.source == "declared"
@@ -176,6 +257,14 @@ def derive_limits(
                 capacities.append((cap, m))
         if m.role in _DECODE_ROLES and m.decode_limit_tokens is not None:
             dec.append(_Candidate(m.decode_limit_tokens, m.limit_phrase(), m.engine, declared))
+            dec_prompt.append(m.input_limit_tokens)
+        elif m.role == "prefill" and m.request_limit_tokens is not None:
+            # Prefill's front end checks input + output against its context too.
+            dec.append(
+                _Candidate(
+                    m.request_limit_tokens, f"context check of {m.engine}", m.engine, declared
+                )
+            )
 
     measured = [c.tokens for c in adm if not c.declared]
     measured_limit = min(measured) if measured else None
@@ -216,6 +305,7 @@ def derive_limits(
                 adm.append(fb)
             if role in _DECODE_ROLES:
                 dec.append(fb)
+                dec_prompt.append(fallback_limit_tokens)
     if max_context is not None:
         adm.append(_Candidate(max_context, "declared context (KVPROXY_MAX_CONTEXT)", None, True))
 
@@ -258,6 +348,9 @@ def derive_limits(
             else "no decode or unified engine is configured: the decode budget is not checked"
         ),
         decode_binding_engine=decode_best.engine if decode_best is not None else None,
+        decode_prompt_limit_tokens=(
+            max(0, min(dec_prompt) - margin_tokens) if dec_prompt and decode_best else None
+        ),
         measured_limit_tokens=measured_limit,
         margin_tokens=margin_tokens,
         unknown_engines=unknown_labels,

@@ -106,8 +106,15 @@ class EngineMeasurement:
     context_source: str | None = None
     decode_limit_tokens: int | None = None
     decode_limit_source: str | None = None
+    # Largest prompt + output the engine's front end accepts; a prefill engine adds it to
+    # the decode limit (its tokenizer checks the same body).
+    request_limit_tokens: int | None = None
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # Which report fields this probe found and which it looked for in vain: /capacity
+    # shows both, so an absent field is never mistaken for a check that happened.
+    fields_present: tuple[str, ...] = ()
+    fields_absent: tuple[str, ...] = ()
 
     @property
     def source(self) -> Source:
@@ -133,6 +140,7 @@ class EngineMeasurement:
             "page_size": self.page_size,
             "context_length": self.context_length,
             "decode_limit_tokens": self.decode_limit_tokens,
+            "request_limit_tokens": self.request_limit_tokens,
             "bound_by": self.bound_by,
             "source": self.source,
             "sources": {
@@ -144,5 +152,6 @@ class EngineMeasurement:
             },
             "warnings": list(self.warnings),
             "notes": list(self.notes),
+            "fields": {"present": list(self.fields_present), "absent": list(self.fields_absent)},
             "measured_at": self.measured_at,
         }

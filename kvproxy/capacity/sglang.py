@@ -10,7 +10,14 @@ and `max_req_input_len` is collected with its field name; the smallest wins:
   pool `swa_max_total_num_tokens` when reported;
 - context: `context_length` (the CLI value, often null), `/v1/models` `max_model_len`,
   the `sglang:context_len` gauge;
-- `max_req_input_len` (top level and per rank).
+- `max_req_input_len` (top level and per rank);
+- the speculative settings and the DCP size (`sglang_args`), which move the limits.
+
+What the probe reads but current engines do not send: `swa_max_total_num_tokens` lives in
+the model runner and is not part of `/server_info`; the top-level scheduler facts
+(`max_req_input_len`, `max_total_num_tokens`) are DP rank 0's; per-rank `internal_states`
+carry `memory_usage.token_capacity` but no per-rank input limit. Every field looked for is
+listed in the measurement as present or absent, so `/capacity` shows which checks ran.
 
 The arithmetic itself lives in `limits.sglang_limits`.
 
@@ -38,6 +45,7 @@ from kvproxy.capacity.reports import (
     parse_prometheus,
     token_field,
 )
+from kvproxy.capacity.sglang_args import read_server_args
 from kvproxy.config import EngineSpec
 
 GAUGE_POOL = "sglang:max_total_num_tokens"
@@ -102,6 +110,16 @@ def measure_sglang(
     context = Reports("context length")
     mril = Reports("max_req_input_len")
     page = Reports("page size")
+    args = read_server_args(server_info, p)
+    for key in (
+        "max_total_num_tokens",
+        "swa_max_total_num_tokens",
+        "context_length",
+        "max_req_input_len",
+        "page_size",
+        "internal_states",
+    ):
+        args.saw(server_info, key, f"{p}.{key}")  # fmt: skip
 
     pool.add(token_field(server_info, "max_total_num_tokens", f"{p}.max_total_num_tokens"),
              f"{p}.max_total_num_tokens")  # fmt: skip
@@ -131,7 +149,19 @@ def measure_sglang(
                 f"{where}.swa_max_total_num_tokens")  # fmt: skip
         mril.add(token_field(rank, "max_req_input_len", f"{where}.max_req_input_len"),
                  f"{where}.max_req_input_len")  # fmt: skip
+        for key in ("memory_usage", "max_req_input_len"):
+            args.saw(rank, key, f"{where}.{key}")
+    if len(rank_pools) > 1 and not any(
+        isinstance(r.get("max_req_input_len"), int)
+        for r in object_list(server_info, "internal_states", p)
+    ):
+        found.note(
+            f"{p}.max_req_input_len is DP rank 0's and no rank reports its own: the other "
+            "ranks' input limits follow from their token_capacity by the engine's formula"
+        )
 
+    (args.present if metrics_text is not None else args.absent).append("/metrics")
+    (args.present if models is not None else args.absent).append("/v1/models")
     gauges = {GAUGE_POOL: pool, GAUGE_CONTEXT: context, GAUGE_PAGE: page}
     found.notes.extend(_gauge_reports(metrics_text, gauges))
     found.notes.extend(_models_context(models, context))
@@ -178,20 +208,41 @@ def measure_sglang(
     if mril_value is not None and mril_value <= 1:
         raise ProbeError("bad_value", f"{mril_source} = {mril_value} admits no prompt")
     limits = sglang_limits(
-        pool_tokens=pool_tokens, context_tokens=context_tokens, max_req_input_len=mril_value
+        pool_tokens=pool_tokens,
+        context_tokens=context_tokens,
+        max_req_input_len=mril_value,
+        reserved_tokens=args.reserved_tokens,
+        dcp_size=args.dcp_size,
+        page_size=page_size,
     )
+    if args.dcp_size > 1 and not limits.dcp_scaled:
+        found.note(
+            f"{args.dcp_source} = {args.dcp_size}, but the engine's max_req_input_len does not "
+            "show a pool scaled by it (builds before SGLang PR #33448, or not reported): "
+            "the per-rank pool is used"
+        )
     if limits.input_limit_tokens < 1:
         raise ProbeError(
             "bad_value",
             f"pool {pool_tokens:,} / context {context_tokens} leave no room for a prompt "
-            f"(SGLang reserves {SGLANG_RESERVED_TOKENS})",
+            f"(SGLang reserves {SGLANG_RESERVED_TOKENS}, plus {args.reserved_tokens} for "
+            "speculative decoding)",
         )
     if limits.from_reported:
         input_source = str(mril_source)
+    elif (
+        args.reserved_tokens
+        and limits.request_limit_tokens is not None
+        and limits.input_limit_tokens == limits.request_limit_tokens
+    ):
+        where = context_source or f"{mril_source} + 6 (the smallest context it allows)"
+        input_source = f"{where} - 1 - {args.reserve_source}"
     elif limits.bound_by == "pool":
-        input_source = pool_source
+        input_source = pool_source + (f" x {args.dcp_source}" if limits.dcp_scaled else "")
     else:
         input_source = str(context_source)
+    if args.reserved_tokens:
+        found.note(f"speculative decoding: {args.reserve_source} tokens of the context")
 
     if context_tokens is not None and context_tokens > pool_tokens:
         found.warn(
@@ -221,9 +272,16 @@ def measure_sglang(
         context_length=context_tokens,
         context_source=context_source,
         decode_limit_tokens=limits.decode_limit_tokens,
-        decode_limit_source=f"min(context, pool) - {SGLANG_RESERVED_TOKENS} via {input_source}",
+        decode_limit_source=(
+            "largest prompt + output served uncut: min(max_req_len - 1, "
+            f"pool{' x dcp' if limits.dcp_scaled else ''} - 2 x page_size, "
+            "context - reserve - 1) (scheduler init_req_max_new_tokens, tokenizer_manager)"
+        ),
+        request_limit_tokens=limits.request_limit_tokens,
         warnings=tuple(found.warnings),
         notes=tuple(found.notes),
+        fields_present=tuple(args.present),
+        fields_absent=tuple(args.absent),
     )
 
 

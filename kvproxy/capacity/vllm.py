@@ -1,10 +1,20 @@
 """Probe of one vLLM engine.
 
 The pool comes from the `vllm:cache_config_info` info gauge on `/metrics` (one series per
-DP engine; the smallest wins): `kv_cache_size_tokens` when the build exports it, else
-`num_gpu_blocks x block_size`. The second is flagged `pool_from_blocks`: on hybrid models
-`block_size` is a minimum over cache groups, so the product can overstate the pool. The
-context is `/v1/models` `data[].max_model_len`. Both endpoints are required.
+DP engine; the smallest wins): `kv_cache_size_tokens` when the build exports it (since
+PR #42206, per engine), else `num_gpu_blocks x block_size`. The second is flagged
+`pool_from_blocks`: on hybrid models `block_size` is a minimum over cache groups, so the
+product can overstate the pool. It is also the whole deployment's pool under data
+parallelism: the front end adds every DP engine's blocks into one `num_gpu_blocks`
+(v1/engine/core_client.py `_apply_ready_response`) and repeats that cache config once per
+engine index it serves (v1/metrics/loggers.py `log_metrics_info`, label `engine`). So the
+per-engine pool is `num_gpu_blocks // engines x block_size`, engines being the distinct
+`engine` labels. Series without an `engine` label come from builds without DP (V0): one
+engine. Series that mix the two leave the DP size unknown, and the probe refuses.
+vLLM refuses to start when max_model_len exceeds one engine's pool
+(v1/core/kv_cache_utils.py), so the context binds in practice; the per-engine pool keeps
+`/capacity`, the warnings and the release gate's table honest.
+The context is `/v1/models` `data[].max_model_len`. Both endpoints are required.
 
 The arithmetic lives in `limits.vllm_limits`.
 
@@ -55,6 +65,11 @@ def measure_vllm(
     pool = Reports("KV pool")
     blocks_used = False
     block_sizes: list[int] = []
+    labelled = [labels.get("engine") for labels, _ in series]
+    if any(e is None for e in labelled) and any(e is not None for e in labelled):
+        dp_size: int | None = None
+    else:
+        dp_size = max(1, len(set(labelled)) if labelled[0] is not None else 1)
     for labels in (labels for labels, _ in series):
         engine = labels.get("engine")
         tag = f"{{engine={engine}}}" if engine is not None else ""
@@ -72,13 +87,31 @@ def measure_vllm(
                 "missing_field",
                 f"{where} has neither kv_cache_size_tokens nor num_gpu_blocks and block_size",
             )
+        if dp_size is None:
+            raise ProbeError(
+                "missing_field",
+                f"{CACHE_INFO} series mix engine-labelled and unlabelled ones, so the DP size "
+                "is unknown and num_gpu_blocks (the front end's sum over its DP engines) "
+                "cannot be split per engine; use a build that exports kv_cache_size_tokens",
+            )
         blocks_used = True
-        pool.add(blocks * block_size, f"{where}.num_gpu_blocks*block_size")
+        if dp_size == 1:
+            pool.add(blocks * block_size, f"{where}.num_gpu_blocks*block_size")
+        else:
+            pool.add(
+                blocks // dp_size * block_size,
+                f"{where}.num_gpu_blocks/{dp_size} engines*block_size",
+            )
 
     if blocks_used:
+        split = (
+            f" / {dp_size} DP engines (the front end sums their blocks)"
+            if dp_size is not None and dp_size > 1
+            else ""
+        )
         found.warn(
             "pool_from_blocks",
-            "pool = num_gpu_blocks x block_size (this vLLM build does not export "
+            f"pool = num_gpu_blocks{split} x block_size (this vLLM build does not export "
             "kv_cache_size_tokens); on hybrid models this can overstate the pool",
         )
     dp_msg = pool.disagreement()
@@ -97,6 +130,10 @@ def measure_vllm(
     if context_msg is not None:
         found.warn("fields_disagree", context_msg)
 
+    present = [f"metrics.{CACHE_INFO}", "/v1/models data[].max_model_len"]
+    absent: list[str] = []
+    has_tokens = any("kv_cache_size_tokens" in labels for labels, _ in series)
+    (present if has_tokens else absent).append(f"metrics.{CACHE_INFO}.kv_cache_size_tokens")
     pool_tokens, pool_source = pool.smallest()
     max_model_len, context_source = context.smallest()
     limits = vllm_limits(pool_tokens=pool_tokens, max_model_len=max_model_len)
@@ -131,8 +168,11 @@ def measure_vllm(
         context_source=context_source,
         decode_limit_tokens=limits.decode_limit_tokens,
         decode_limit_source=input_source,
+        request_limit_tokens=limits.request_limit_tokens,
         warnings=tuple(found.warnings),
         notes=tuple(found.notes),
+        fields_present=tuple(present),
+        fields_absent=tuple(absent),
     )
 
 

@@ -77,7 +77,7 @@ class DecodeServer(EngineServer):
             room=req.bootstrap_room, prefill_url=f"http://{req.bootstrap_host}:{port}"
         )
         n = len(req.input_ids)
-        refusal = pool_refusal(self.limits, n)
+        refusal = pool_refusal(self.limits, n, self.config.flavor)
         if refusal is not None:
             self.stats.rejections_at_admission += 1
             self.spawn(self._tell_prefill_abort(state))
@@ -185,7 +185,11 @@ class DecodeServer(EngineServer):
         state: DecodeRoom,
     ) -> web.StreamResponse:
         n_prompt = len(req.input_ids)
-        length = min(n_prompt, clamp_new_tokens(self.limits, n_prompt, req.max_new_tokens))
+        allowed = clamp_new_tokens(self.limits, n_prompt, req.max_new_tokens)
+        if req.max_new_tokens is not None and allowed < req.max_new_tokens:
+            # Ground truth for "the engine silently cut what the client asked for".
+            self.stats.outputs_clamped += 1
+        length = min(n_prompt, allowed)
         finish = "stop" if length >= n_prompt else "length"
         detok = self.tokenizer.new_detokenizer()
         shaper = StreamShaper(req, n_prompt)

@@ -25,12 +25,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvproxy.sim.converse import ROUTE_MESSAGES, ROUTE_RESPONSES
 from kvproxy.sim.limits import (
     EngineError,
     Limits,
     check_context,
     native_error_body,
     openai_error_body,
+    reserved_tokens,
     stream_error_event,
 )
 from kvproxy.sim.metrics_text import render_metrics
@@ -44,7 +46,7 @@ from kvproxy.sim.protocol import (
     parse_request,
     sse,
 )
-from kvproxy.sim.state import SIM_VERSION, EngineConfig, EngineStats, Faults
+from kvproxy.sim.state import SIM_VERSION, VLLM_SIM_VERSION, EngineConfig, EngineStats, Faults
 from kvproxy.sim.tokenizer import ChatRenderer, load_tokenizer
 
 
@@ -65,8 +67,18 @@ class EngineServer:
     def __init__(self, config: EngineConfig, faults: Faults | None = None) -> None:
         self.config = config
         self.faults = faults or Faults()
-        self.pool = PagedPool(config.pool_tokens, config.page_size)
-        self.limits = Limits(config.context_length, self.pool.total_tokens)
+        # One rank's pool (see PagedPool on rounding); DCP ranks together (SGLang) or DP
+        # engines together (vLLM) hold `scale` of them, which is what the sim allocates from.
+        self.rank_pool_tokens = config.pool_tokens
+        scale = config.dcp_size if config.flavor == "sglang" else config.dp_size
+        self.pool = PagedPool(self.rank_pool_tokens * scale, config.page_size)
+        self.limits = Limits(
+            config.context_length,
+            self.rank_pool_tokens,
+            reserved_tokens=reserved_tokens(config),
+            dcp_size=config.dcp_size if config.flavor == "sglang" else 1,
+            page_size=config.page_size,
+        )
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.renderer = ChatRenderer(self.tokenizer.chat_template, self.tokenizer.special_tokens)
         self.stats = EngineStats()
@@ -79,12 +91,12 @@ class EngineServer:
         self._session: aiohttp.ClientSession | None = None
         self.port = config.port
         self.started_at = time.time()
-        if config.flavor == "vllm" and config.context_length > self.pool.total_tokens:
+        if config.flavor == "vllm" and config.context_length > self.rank_pool_tokens:
             # vLLM refuses to start when max_model_len does not fit its own KV cache.
             raise ValueError(
                 f"The model's max seq len ({config.context_length}) is larger than the "
                 "maximum number of tokens that can be stored in KV cache "
-                f"({self.pool.total_tokens}). Try increasing `gpu_memory_utilization` or "
+                f"({self.rank_pool_tokens}). Try increasing `gpu_memory_utilization` or "
                 "decreasing `max_model_len` when initializing the engine."
             )
 
@@ -177,6 +189,8 @@ class EngineServer:
         r.add_post("/sim/reset", self._sim_reset)
         r.add_post(ROUTE_CHAT, self._generate)
         r.add_post(ROUTE_COMPLETIONS, self._generate)
+        r.add_post(ROUTE_RESPONSES, self._generate)
+        r.add_post(ROUTE_MESSAGES, self._generate)
         if self.config.flavor == "sglang":
             r.add_get("/server_info", self._server_info)
             r.add_get("/get_server_info", self._server_info)
@@ -192,7 +206,7 @@ class EngineServer:
         return web.Response(status=200)
 
     async def _version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": "0.11.0-sim"})
+        return web.json_response({"version": VLLM_SIM_VERSION})
 
     def server_info(self) -> dict[str, Any]:
         c = self.config
@@ -207,8 +221,13 @@ class EngineServer:
             "max_total_tokens": None,
             "chunked_prefill_size": 8192,
             "max_running_requests": None,
-            "tp_size": 1,
+            "tp_size": c.dcp_size,
             "dp_size": 1,
+            "dcp_size": c.dcp_size,
+            "speculative_algorithm": c.speculative_algorithm,
+            "speculative_num_steps": c.speculative_num_steps,
+            "speculative_eagle_topk": c.speculative_eagle_topk,
+            "speculative_num_draft_tokens": c.speculative_num_draft_tokens,
             "allow_auto_truncate": c.allow_auto_truncate,
             "disaggregation_mode": c.role,
             "disaggregation_transfer_backend": "mooncake",
@@ -223,7 +242,7 @@ class EngineServer:
             "memory_usage": {
                 "weight": 0.0,
                 "kvcache": 0.0,
-                "token_capacity": self.pool.total_tokens,
+                "token_capacity": self.rank_pool_tokens,
                 "graph": 0,
             },
             "effective_max_running_requests_per_dp": 128,
@@ -231,7 +250,7 @@ class EngineServer:
         return {
             **args,
             "status": "ready",
-            "max_total_num_tokens": self.pool.total_tokens,
+            "max_total_num_tokens": self.rank_pool_tokens,
             "max_req_input_len": self.limits.max_req_input_len,
             "internal_states": [state],
             "version": SIM_VERSION,
@@ -344,9 +363,22 @@ class EngineServer:
             },
             pool={
                 "pool_tokens": self.pool.total_tokens,
+                # One rank's (SGLang DCP) or one engine's (vLLM DP) share of pool_tokens.
+                "rank_pool_tokens": self.rank_pool_tokens,
                 "page_size": self.pool.page_size,
                 "num_pages": self.pool.num_pages,
                 "free_pages": self.pool.free_pages,
+            },
+            # The engine's own arithmetic, for tests that judge kvproxy against it.
+            limits={
+                "context_len": self.limits.context_len,
+                "reserved_tokens": self.limits.reserved_tokens,
+                "dcp_size": self.limits.dcp_size,
+                "max_req_len": self.limits.max_req_len,
+                "max_req_input_len": self.limits.max_req_input_len,
+                "largest_prompt": (
+                    self.limits.largest_prompt if c.flavor == "sglang" else c.context_length - 1
+                ),
             },
             running=len(self.running),
             # Writes on the wire that have not landed: a test waits for 0 instead of sleeping

@@ -10,6 +10,11 @@ Two scale facts a reader needs: pools are rounded down to whole pages as SGLang 
 (5,322 → 5,312), so prefill's ``max_req_input_len`` is 5,306; and ``--mode`` sets the
 three failure switches at once, each of which can be overridden on its own.
 
+The engines' own arithmetic cases are options too: ``--speculative-algorithm EAGLE`` with
+its sizes (SGLang's context reserve), ``--dcp-size`` (SGLang decode context parallelism),
+``--dp-size`` with ``--no-kv-cache-size-label`` (vLLM data parallelism as builds before
+PR #42206 report it).
+
 Independent oracle: never imports kvproxy code outside ``kvproxy/sim``.
 """
 
@@ -63,6 +68,15 @@ class SimOptions:
     role: SimRole = "all"
     allow_auto_truncate: bool = False
     model_name: str = "kvproxy-sim"
+    # The engines' own arithmetic cases (both engines get them): SGLang EAGLE reserve,
+    # SGLang DCP, vLLM DP without the kv_cache_size_tokens label.
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    dcp_size: int = 1
+    dp_size: int = 1
+    kv_cache_size_label: bool = True
 
     def switch(self, name: str) -> bool:
         value = getattr(self, name)
@@ -141,6 +155,13 @@ class SimCluster:
             model_name=o.model_name,
             seed=o.seed + (0 if role == "prefill" else 1),
             allow_auto_truncate=o.allow_auto_truncate,
+            speculative_algorithm=o.speculative_algorithm,
+            speculative_num_steps=o.speculative_num_steps,
+            speculative_eagle_topk=o.speculative_eagle_topk,
+            speculative_num_draft_tokens=o.speculative_num_draft_tokens,
+            dcp_size=o.dcp_size,
+            dp_size=o.dp_size,
+            kv_cache_size_label=o.kv_cache_size_label,
             pending_rejection_transfers=o.switch("pending_rejection_transfers"),
             free_on_abort=o.switch("free_on_abort"),
             failed_send_as_drained=o.switch("failed_send_as_drained"),
@@ -257,6 +278,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=d.seed)
     a("--allow-auto-truncate", action="store_true")
     a("--model-name", default=d.model_name)
+    a("--speculative-algorithm", default=None, help="SGLang: e.g. EAGLE (reserves drafts)")
+    a("--speculative-num-steps", type=int, default=None)
+    a("--speculative-eagle-topk", type=int, default=None)
+    a("--speculative-num-draft-tokens", type=int, default=None)
+    a("--dcp-size", type=int, default=d.dcp_size, help="SGLang decode context parallel size")
+    a("--dp-size", type=int, default=d.dp_size, help="vLLM data-parallel engines")
+    a(
+        "--kv-cache-size-label",
+        action=argparse.BooleanOptionalAction,
+        default=d.kv_cache_size_label,
+        help="vLLM: export kv_cache_size_tokens (builds since PR #42206)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> SimOptions:

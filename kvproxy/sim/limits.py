@@ -1,19 +1,29 @@
 """Input limits and error bodies, computed the way the real engines compute them.
 
-Owns: SGLang's ``max_req_input_len`` arithmetic, the two places SGLang refuses a prompt
-(the tokenizer manager's context check and the scheduler's pool check), vLLM's
-``max_model_len`` check, and the exact error bodies each engine returns for them.
+Owns: SGLang's ``max_req_input_len`` arithmetic, the places SGLang refuses a prompt (the
+tokenizer manager's context checks and the scheduler's pool check), the scheduler's
+silent clamp of ``max_new_tokens``, vLLM's ``max_model_len`` check, and the exact error
+bodies each engine returns for them. Behaviour, not code, of (python/sglang/srt):
 
-SGLang (python/sglang/srt, behaviour not code):
-  pool            = max_total_num_tokens, rounded down to whole pages
-  max_req_len     = min(context_len - 1, pool - 1)
+  reserve         = max(eagle_topk * num_steps, num_draft_tokens) under EAGLE, else 0
+                    (tokenizer_manager: num_reserved_tokens / compute_num_reserved_tokens)
+  pool            = max_total_num_tokens per rank, rounded down to whole pages
+  max_req_len     = min(context_len - 1, pool * dcp_size - 1)   (tp_worker, PR #33448)
   max_req_input_len = max_req_len - 5
-  refuse when len(input_ids) >= context_len            (tokenizer manager, 400)
-  refuse when input + max_new_tokens >= context_len    (tokenizer manager, 400)
-  refuse when len(input_ids) >= max_req_input_len      (scheduler, 400; in PD the buggy
-                                                        path instead swaps in a one-token
-                                                        placeholder and keeps going)
-So the largest accepted prompt is min(context, pool) - 7.
+  refuse when len(input_ids) + reserve >= context_len           (tokenizer manager, 400)
+  refuse when input + reserve + max_new_tokens > context_len    (tokenizer manager, 400;
+                                                                 ``>`` in current builds)
+  refuse when len(input_ids) >= max_req_input_len              (scheduler, 400; in PD the
+                                                                 buggy path instead swaps in
+                                                                 a one-token placeholder)
+  max_new_tokens  = max(0, min(asked or 2**30, max_req_len - input - 1,
+                               pool * dcp - ceil_page(input) - page - 1))
+                    (scheduler.init_req_max_new_tokens, PRs #25126 and #33448): silent
+So without speculative decoding the largest accepted prompt is min(context, pool) - 7.
+
+vLLM (v0.18+ renderer): refuse when input >= max_model_len or input + max_tokens >
+max_model_len, with the "requested M output tokens and your prompt contains T input
+tokens" message.
 
 Independent oracle: never import kvproxy code outside ``kvproxy/sim``.
 """
@@ -38,11 +48,19 @@ class EngineError(Exception):
 @dataclass(frozen=True)
 class Limits:
     context_len: int
-    pool_tokens: int
+    pool_tokens: int  # one rank's pool, as max_total_num_tokens reports it
+    reserved_tokens: int = 0  # the speculative reserve (num_reserved_tokens)
+    dcp_size: int = 1
+    page_size: int = 1
+
+    @property
+    def logical_pool(self) -> int:
+        """DCP shards a sequence over its ranks: a request may hold pool x dcp tokens."""
+        return self.pool_tokens * self.dcp_size
 
     @property
     def max_req_len(self) -> int:
-        return min(self.context_len - 1, self.pool_tokens - 1)
+        return min(self.context_len - 1, self.logical_pool - 1)
 
     @property
     def max_req_input_len(self) -> int:
@@ -50,40 +68,63 @@ class Limits:
 
     @property
     def largest_prompt(self) -> int:
-        return self.max_req_input_len - 1
+        return min(self.max_req_input_len - 1, self.context_len - self.reserved_tokens - 1)
+
+
+def reserved_tokens(config: Any) -> int:
+    """SGLang's num_reserved_tokens from its server arguments (an ``EngineConfig``).
+
+    Under an EAGLE-family algorithm the draft tokens live in the output slots, so the
+    tokenizer manager reserves max(topk * steps, draft tokens); NGRAM (and no algorithm)
+    reserves nothing (spec_info.SpeculativeAlgorithm.is_eagle).
+    """
+    algorithm = config.speculative_algorithm
+    if config.flavor != "sglang" or algorithm is None or algorithm.upper() in ("NONE", "NGRAM"):
+        return 0
+    return max(
+        (config.speculative_eagle_topk or 0) * (config.speculative_num_steps or 0),
+        config.speculative_num_draft_tokens or 0,
+    )
 
 
 def check_context(flavor: Flavor, limits: Limits, n_input: int, max_new_tokens: int | None) -> None:
     """The front-end check every engine makes against the model's context (raises 400)."""
     ctx = limits.context_len
     if flavor == "vllm":
-        requested = n_input + (max_new_tokens or 0)
-        if n_input >= ctx or requested > ctx:
+        out = max_new_tokens or 0
+        if n_input >= ctx or n_input + out > ctx:
+            # The v0.18+ wording (vllm/renderers); exact token counts, so no "at least".
             raise EngineError(
                 f"This model's maximum context length is {ctx} tokens. However, you "
-                f"requested {requested} tokens ({n_input} in the messages, "
-                f"{max_new_tokens or 0} in the completion). Please reduce the length of "
-                "the messages or completion."
+                f"requested {out} output tokens and your prompt contains {n_input} input "
+                f"tokens, for a total of {n_input + out} tokens. Please reduce the length "
+                "of the input prompt or the number of requested output tokens. "
+                f"(parameter=input_tokens, value={n_input})"
             )
         return
-    if n_input >= ctx:
+    # SGLang counts the speculative reserve as input in both checks, and says so.
+    counted = n_input + limits.reserved_tokens
+    if counted >= ctx:
         raise EngineError(
-            f"The input ({n_input} tokens) is longer than the model's context length "
+            f"The input ({counted} tokens) is longer than the model's context length "
             f"({ctx} tokens)."
         )
-    if max_new_tokens is not None and n_input + max_new_tokens >= ctx:
+    if max_new_tokens is not None and counted + max_new_tokens > ctx:
         raise EngineError(
             f"Requested token count exceeds the model's maximum context length of {ctx} "
-            f"tokens. You requested a total of {n_input + max_new_tokens} tokens: "
-            f"{n_input} tokens from the input messages and {max_new_tokens} tokens for "
+            f"tokens. You requested a total of {counted + max_new_tokens} tokens: "
+            f"{counted} tokens from the input messages and {max_new_tokens} tokens for "
             "the completion. Please reduce the number of tokens in the input messages or "
             "the completion to fit within the limit."
         )
 
 
-def pool_refusal(limits: Limits, n_input: int) -> str | None:
-    """SGLang scheduler's message when the prompt does not fit the pool, else None."""
-    if n_input < limits.max_req_input_len:
+def pool_refusal(limits: Limits, n_input: int, flavor: Flavor = "sglang") -> str | None:
+    """SGLang scheduler's message when the prompt does not fit the pool, else None.
+
+    vLLM has no such check: it refuses to start when max_model_len exceeds its pool, so
+    the context check is its only refusal."""
+    if flavor == "vllm" or n_input < limits.max_req_input_len:
         return None
     return (
         f"Input length ({n_input} tokens) exceeds the maximum allowed length "
@@ -93,8 +134,12 @@ def pool_refusal(limits: Limits, n_input: int) -> str | None:
 
 
 def clamp_new_tokens(limits: Limits, n_input: int, max_new_tokens: int | None) -> int:
-    room = max(0, limits.max_req_len - n_input - 1)
-    return room if max_new_tokens is None else max(0, min(max_new_tokens, room))
+    """SGLang's silent clamp: what the scheduler lets a request generate, never a refusal."""
+    page = limits.page_size
+    paged_input = -(-n_input // page) * page
+    asked = (1 << 30) if max_new_tokens is None else max_new_tokens
+    room = min(limits.max_req_len - n_input - 1, limits.logical_pool - paged_input - page - 1)
+    return max(0, min(asked, room))
 
 
 def error_type(status: int) -> str:

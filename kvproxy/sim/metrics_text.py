@@ -49,8 +49,9 @@ def _sglang(s: EngineServer) -> Iterator[Metric]:
         family.add_metric(values, value)
         return family
 
+    # One rank's pool, as the scheduler reports it (DCP ranks each hold 1/dcp of a request).
     yield gauge(
-        "max_total_num_tokens", "Maximum total number of tokens in the KV pool.", pool.total_tokens
+        "max_total_num_tokens", "Maximum total number of tokens in the KV pool.", s.rank_pool_tokens
     )
     yield gauge("context_len", "The context length of the model.", s.config.context_length)
     yield gauge("page_size", "Tokens per KV page.", pool.page_size)
@@ -83,35 +84,25 @@ def _sglang(s: EngineServer) -> Iterator[Metric]:
 
 def _vllm(s: EngineServer) -> Iterator[Metric]:
     pool = s.pool
+    c = s.config
+    labels = ["block_size", "cache_dtype", "enable_prefix_caching", "engine"]
+    labels += ["gpu_memory_utilization"]
+    if c.kv_cache_size_label:  # builds since PR #42206
+        labels.append("kv_cache_size_tokens")
+    labels += ["num_cpu_blocks", "num_gpu_blocks", "num_gpu_blocks_override"]
     info = GaugeMetricFamily(
-        "vllm:cache_config_info",
-        "Information of the LLMEngine CacheConfig",
-        labels=[
-            "block_size",
-            "cache_dtype",
-            "enable_prefix_caching",
-            "engine",
-            "gpu_memory_utilization",
-            "kv_cache_size_tokens",
-            "num_cpu_blocks",
-            "num_gpu_blocks",
-            "num_gpu_blocks_override",
-        ],
+        "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=labels
     )
-    info.add_metric(
-        [
-            str(pool.page_size),
-            "auto",
-            "True",
-            "0",
-            "0.9",
-            str(pool.total_tokens),
-            "0",
-            str(pool.num_pages),
-            "None",
-        ],
-        1.0,
-    )
+    # The front end sums num_gpu_blocks over its DP engines (core_client
+    # _apply_ready_response) and repeats the same cache config once per engine index
+    # (metrics/loggers.py log_metrics_info): every series carries the deployment's sum.
+    engine_pages = -(-s.rank_pool_tokens // pool.page_size)
+    for engine in range(c.dp_size):
+        values = [str(pool.page_size), "auto", "True", str(engine), "0.9"]
+        if c.kv_cache_size_label:
+            values.append(str(s.rank_pool_tokens))
+        values += ["0", str(engine_pages * c.dp_size), "None"]
+        info.add_metric(values, 1.0)
     yield info
     names = ["engine", "model_name"]
     values = ["0", s.config.model_name]

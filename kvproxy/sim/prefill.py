@@ -105,7 +105,7 @@ class PrefillServer(EngineServer):
         room = req.bootstrap_room
         n = len(req.input_ids)
         compute_ids = req.input_ids
-        refusal = pool_refusal(self.limits, n)
+        refusal = pool_refusal(self.limits, n, self.config.flavor)
         if refusal is not None:
             if not self.config.pending_rejection_transfers:
                 self.stats.rejections_at_admission += 1

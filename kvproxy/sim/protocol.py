@@ -1,7 +1,8 @@
 """Request parsing and response shapes of the engines' generation routes (sans-IO).
 
 Owns: reading ``/v1/chat/completions``, ``/v1/completions`` and SGLang's ``/generate``
-bodies into one ``GenRequest`` (token ids after the chat template, output budget, stream
+bodies (and ``/v1/responses`` / ``/v1/messages``, converted to chat by ``converse``) into one
+``GenRequest`` (token ids after the chat template, output budget, stream
 flags, PD bootstrap fields), and writing replies in the engines' formats: OpenAI objects
 and chunks, SGLang's native ``{"text", "meta_info"}``, and ``data: ...`` SSE framing.
 
@@ -16,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvproxy.sim import converse
+from kvproxy.sim.converse import ROUTE_MESSAGES, ROUTE_RESPONSES
 from kvproxy.sim.limits import EngineError
 from kvproxy.sim.tokenizer import ChatRenderer, TemplateError, Tokenizer
 
@@ -79,6 +82,16 @@ def parse_request(
     if route == ROUTE_CHAT:
         input_ids = _chat_ids(body, tokenizer, renderer)
         budget = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_new = _int_or_none(budget, "max_tokens")
+    elif route in (ROUTE_RESPONSES, ROUTE_MESSAGES):
+        # Converted to chat as the serving stack does, then rendered like any chat request.
+        convert = (
+            converse.responses_chat_body
+            if route == ROUTE_RESPONSES
+            else converse.messages_chat_body
+        )
+        chat, budget = convert(body)
+        input_ids = _chat_ids(chat, tokenizer, renderer)
         max_new = _int_or_none(budget, "max_tokens")
     elif route == ROUTE_COMPLETIONS:
         input_ids = _text_ids(body.get("prompt"), tokenizer, "prompt")
@@ -167,6 +180,8 @@ def full_reply(
     req: GenRequest, text: str, n_prompt: int, output_ids: list[int], finish: str
 ) -> dict[str, Any]:
     n_out = len(output_ids)
+    if req.route in (ROUTE_RESPONSES, ROUTE_MESSAGES):
+        return converse.full_reply(req.route, req.rid, req.model, text, n_prompt, n_out, finish)
     if req.route == ROUTE_GENERATE:
         return {
             "text": text,
@@ -238,6 +253,10 @@ class StreamShaper:
     def delta(self, text: str, n_tokens: int, finish: str | None = None) -> dict[str, Any]:
         self._text.append(text)
         self._n_out += n_tokens
+        if self.req.route in (ROUTE_RESPONSES, ROUTE_MESSAGES):
+            if finish is not None and not text:
+                return converse.stream_end(self.req.route, self.n_prompt, self._n_out)
+            return converse.stream_delta(self.req.route, text)
         if self.req.route == ROUTE_GENERATE:
             # SGLang's native stream repeats the cumulative text in every event.
             return {
@@ -249,7 +268,9 @@ class StreamShaper:
         return self._chunk(text, finish)
 
     def usage(self) -> dict[str, Any] | None:
-        if self.req.route == ROUTE_GENERATE or not self.req.include_usage:
+        if self.req.route in (ROUTE_GENERATE, ROUTE_RESPONSES, ROUTE_MESSAGES):
+            return None
+        if not self.req.include_usage:
             return None
         chunk = self._chunk(None, None)
         chunk["choices"] = []

@@ -6,8 +6,10 @@ more: the same JSON body goes to prefill and decode at once with ``bootstrap_hos
 renamed ``max_completion_tokens``); a prefill error is passed through once; otherwise
 decode's answer is relayed, streamed or not. A client that leaves makes it close both
 upstream connections at once: the dangerous behaviour a proxy in front must absorb.
-Also: ``/health``, ``/server_info`` and ``/model_info`` from the first prefill worker only
-(as the real router does), ``/v1/models``, and the aggregated ground truth at
+``/v1/responses`` and ``/v1/messages`` are forwarded to both workers as they are (smg's HTTP
+router does the same; the engines convert them to chat, ``converse``). Also: ``/health``,
+``/server_info`` and ``/model_info`` from the first prefill worker only (as the real router
+does), ``/v1/models``, and the aggregated ground truth at
 ``/sim/stats`` as ``{"router": ..., "prefill": ..., "decode": ...}``.
 
 Independent oracle: never imports kvproxy code outside ``kvproxy/sim``; never logs bodies.
@@ -26,6 +28,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from kvproxy.sim.converse import ROUTE_MESSAGES, ROUTE_RESPONSES
 from kvproxy.sim.protocol import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE
 
 _HOP_HEADERS = {
@@ -68,7 +71,13 @@ class PDRouter:
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        for route in (ROUTE_GENERATE, ROUTE_COMPLETIONS, ROUTE_CHAT):
+        for route in (
+            ROUTE_GENERATE,
+            ROUTE_COMPLETIONS,
+            ROUTE_CHAT,
+            ROUTE_RESPONSES,
+            ROUTE_MESSAGES,
+        ):
             app.router.add_post(route, self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)

@@ -17,6 +17,8 @@ from kvproxy.sim.limits import EngineError, Flavor
 
 Role = Literal["prefill", "decode"]
 SIM_VERSION = "0.5.21-sim"
+# The vLLM flavour speaks v0.18+ (error texts) and reports this as its /version.
+VLLM_SIM_VERSION = "0.30.0-sim"
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,19 @@ class EngineConfig:
     model_name: str = "kvproxy-sim"
     seed: int = 0
     allow_auto_truncate: bool = False
+    # SGLang speculative decoding, as the server arguments name it (None: off). Under EAGLE
+    # the tokenizer manager reserves max(topk * steps, draft tokens) of the context.
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    # SGLang decode context parallelism (--dcp-size): a sequence is sharded over the ranks,
+    # so a request may hold pool x dcp tokens while max_total_num_tokens reports one rank.
+    dcp_size: int = 1
+    # vLLM data parallelism: dp_size engines behind one front end, each with pool_tokens.
+    dp_size: int = 1
+    # vLLM builds before PR #42206 export no kv_cache_size_tokens label.
+    kv_cache_size_label: bool = True
     # The three failure modes; True means the engine behaves the vulnerable way.
     pending_rejection_transfers: bool = True
     free_on_abort: bool = True
@@ -83,3 +98,5 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: int = 0
+    # Requests whose max_new_tokens the scheduler silently lowered (SGLang's clamp).
+    outputs_clamped: int = 0

@@ -75,7 +75,14 @@ def build_counter(
             special_tokens=local.special_tokens,
             description=local.describe(),
         )
-    except (OSError, ValueError, ImportError) as exc:
+    except ImportError as exc:
+        # hf: and tiktoken: need native libraries a plain install leaves out.
+        raise ConfigError(
+            f"invalid setting tokenizer (KVPROXY_TOKENIZER={spec}): needs the Python package "
+            f"{(exc.name or 'tokenizers').partition('.')[0]!r}: "
+            "pip install 'kvproxy[tokenizers]'"
+        ) from None
+    except (OSError, ValueError) as exc:
         raise ConfigError(f"invalid setting tokenizer (KVPROXY_TOKENIZER={spec}): {exc}") from None
 
 

@@ -35,7 +35,7 @@ from typing import Any, Literal, TypeVar
 
 from kvproxy import errors
 from kvproxy.errors import KvproxyError
-from kvproxy.prompt import PromptShape, SequencePrompt
+from kvproxy.prompt import CHAT_ROUTES, PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest
@@ -58,11 +58,14 @@ WORKER_NICE = 10
 
 @dataclass(frozen=True, slots=True)
 class TokenCount:
-    """`tokens` is the largest per-sequence count used for the decision (bound or exact)."""
+    """`tokens` is the largest per-sequence count used for the decision (bound or exact);
+    `total_tokens` is the sum over every sequence of the same counts: what the engine holds
+    for the batch, which the in-flight budget charges (the limit is checked per sequence)."""
 
     tokens: int
     method: CountMethod
     exact: bool
+    total_tokens: int
     # The guaranteed bound computed first (== tokens when method is "bound").
     bound: int | None = None
 
@@ -141,21 +144,26 @@ class TokenCounter:
     async def aclose(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def count(self, shape: PromptShape, admit_at_most: int) -> TokenCount:
-        """Count `shape`'s largest sequence, tokenizing only if the bound is over `admit_at_most`.
+    async def count(
+        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None = None
+    ) -> TokenCount:
+        """Count `shape`'s sequences, tokenizing only if the largest bound is over
+        `admit_at_most` or the bounds' sum over `total_at_most` (the budget's room).
 
         Raises `invalid_request` (the chat template refuses the messages) or
         `count_unavailable` (timeout, tokenizer or engine failure).
         """
         try:
             async with asyncio.timeout(self._timeout_s):
-                return await self._count(shape, admit_at_most)
+                return await self._count(shape, admit_at_most, total_at_most)
         except TimeoutError:
             raise errors.count_unavailable(f"over {self._timeout_s:g} s") from None
         except _WorkerFailed as exc:
             raise errors.count_unavailable(f"tokenizer failed: {exc}") from None
 
-    async def _count(self, shape: PromptShape, admit_at_most: int) -> TokenCount:
+    async def _count(
+        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
+    ) -> TokenCount:
         small = shape.text_chars <= INLINE_CHARS and all(
             p.message_count <= INLINE_MESSAGES for p in shape.prompts
         )
@@ -164,14 +172,20 @@ class TokenCounter:
         else:
             plans = await self._offload(self._plan, shape)
         bound = max(p.bound for p in plans)
-        if (self._trust_bound and bound <= admit_at_most) or self.method == "bound":
-            return TokenCount(bound, "bound", exact=False, bound=bound)
+        total = sum(p.bound for p in plans)
+        fits = bound <= admit_at_most and (total_at_most is None or total <= total_at_most)
+        if (self._trust_bound and fits) or self.method == "bound":
+            return TokenCount(bound, "bound", exact=False, total_tokens=total, bound=bound)
         if self._local is not None:
             counts = await self._offload(self._exact_local, plans)
         else:
             counts = list(await asyncio.gather(*(self._exact_engine(p) for p in plans)))
         return TokenCount(
-            max(c for c, _ in counts), self.method, all(e for _, e in counts), bound=bound
+            max(c for c, _ in counts),
+            self.method,
+            all(e for _, e in counts),
+            total_tokens=sum(c for c, _ in counts),
+            bound=bound,
         )
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
@@ -189,7 +203,7 @@ class TokenCounter:
     # --- plans (sync: on the loop for small shapes, else in a worker) -----------------------
 
     def _plan(self, shape: PromptShape) -> list[_Plan]:
-        chat = shape.route == "chat"
+        chat = shape.route in CHAT_ROUTES
         return [self._plan_chat(s) if chat else self._plan_text(s) for s in shape.prompts]
 
     def _media(self, seq: SequencePrompt) -> int:

@@ -65,7 +65,9 @@ def test_sglang_issue_numbers() -> None:
     # The incident's pool.
     got = sglang_limits(pool_tokens=681_280, context_tokens=1_048_576, max_req_input_len=681_274)
     assert got.input_limit_tokens == 681_273
-    assert got.decode_limit_tokens == 681_273
+    # Served uncut: max_new <= max_req_len (681,279) - input - 1, so prompt + output
+    # <= 681,278 (no page size given: no page term).
+    assert got.decode_limit_tokens == 681_278
 
 
 def test_sglang_context_binds() -> None:
@@ -248,3 +250,87 @@ def test_admission_never_exceeds_any_contribution(
     decoding = [x.decode_limit_tokens for x in ms if x.role != "prefill"]
     if decoding:
         assert lim.decode_limit_tokens == max(0, min(d for d in decoding if d) - margin)
+
+
+# --- the engines' own arithmetic (issue #24), restated from SGLang's source -------------------
+
+
+def sglang_serves_uncut(
+    prompt: int, out: int, *, pool: int, context: int, reserve: int, dcp: int, page: int
+) -> bool:
+    """tokenizer_manager + scheduler, the strictest version of each: the request is neither
+    refused nor has its max_new_tokens lowered."""
+    max_req_len = min(context - 1, pool * dcp - 1)
+    if prompt + reserve >= context or prompt >= max_req_len - 5:
+        return False
+    if prompt + reserve + out >= context:  # older builds: >=, current: >
+        return False
+    paged = -(-prompt // page) * page
+    return out <= max(0, min(max_req_len - prompt - 1, pool * dcp - paged - page - 1))
+
+
+@given(
+    pool=st.integers(64, 50_000),
+    context=st.integers(64, 50_000),
+    reserve=st.sampled_from([0, 3, 7, 16, 40]),
+    dcp=st.sampled_from([1, 2, 4]),
+    page=st.sampled_from([1, 16, 64]),
+)
+def test_sglang_limits_follow_the_engine_rules(
+    pool: int, context: int, reserve: int, dcp: int, page: int
+) -> None:
+    pool = max(page, pool // page * page)
+    mril = min(context - 1, pool * dcp - 1) - 5
+    if mril <= 1 + reserve:
+        return
+    got = sglang_limits(
+        pool_tokens=pool,
+        context_tokens=context,
+        max_req_input_len=mril,
+        reserved_tokens=reserve,
+        dcp_size=dcp,
+        page_size=page,
+    )
+    kw = {"pool": pool, "context": context, "reserve": reserve, "dcp": dcp, "page": page}
+    limit, decode = got.input_limit_tokens, got.decode_limit_tokens
+    # The input limit is exact: the largest prompt the engine accepts with no output.
+    assert sglang_serves_uncut(limit, 0, **kw)
+    assert not sglang_serves_uncut(limit + 1, 0, **kw)
+    # Every admitted prompt + output is served in full (I4 strictly safe) ...
+    for prompt in {1, limit // 2, limit}:
+        if decode - prompt >= 0:
+            assert sglang_serves_uncut(prompt, decode - prompt, **kw)
+    # ... and with pages of one token and no reserve the decode limit is exact too.
+    if page == 1 and not reserve and decode - limit >= 0:
+        assert not sglang_serves_uncut(limit, decode - limit + 1, **kw)
+
+
+def test_unified_pool_5007_reaches_its_published_limit_with_output() -> None:
+    # Issue #15.5: pool 5,007 (pages of 1), context 8,192 -> prompt limit 5,000 and
+    # prompt + output up to 5,005, so a 5,000-token prompt with max_tokens 1..5 passes.
+    got = sglang_limits(pool_tokens=5007, context_tokens=8192, max_req_input_len=5001, page_size=1)
+    assert (got.input_limit_tokens, got.decode_limit_tokens) == (5000, 5005)
+
+
+def test_prefill_context_check_bounds_the_decode_side() -> None:
+    # A prefill engine refuses input + reserve + output >= its context: that bounds the
+    # decode limit even when the decode engine would hold more.
+    prefill = EngineMeasurement(
+        engine="p",
+        url="http://p",
+        role="prefill",
+        kind="sglang",
+        input_limit_tokens=8175,
+        input_limit_source="test",
+        pool_tokens=100_000,
+        pool_source="test",
+        bound_by="context",
+        measured_at=0.0,
+        decode_limit_tokens=8175,
+        request_limit_tokens=8175,
+    )
+    lim = derive_limits([prefill, m("d", "decode", 99_993, decode=99_000)], max_context=None)
+    assert lim.decode_limit_tokens == 8175
+    assert lim.decode_binding_engine == "p"
+    alone = derive_limits([prefill], max_context=None)
+    assert alone.decode_limit_tokens == 8175

@@ -84,11 +84,12 @@ async def test_measured_limit_replaces_declared_context(
     assert (lim.admission_limit_tokens, lim.source) == (5315, "measured")
     assert lim.binding_engine == f"127.0.0.1:{prefill.port}"
     assert lim.why == f"measured prefill KV pool of 127.0.0.1:{prefill.port}"
-    assert lim.decode_limit_tokens == 8185  # min(8192, 40000) - 7
+    # max_req_len = min(8,191, 39,999) = 8,191; uncut output leaves prompt + output <= 8,190.
+    assert lim.decode_limit_tokens == 8190
     assert lim.declared_context == 8192
 
     assert sample(metrics, "kvproxy_admission_limit_tokens") == 5315
-    assert sample(metrics, "kvproxy_decode_limit_tokens") == 8185
+    assert sample(metrics, "kvproxy_decode_limit_tokens") == 8190
     assert sample(metrics, "kvproxy_declared_context_tokens") == 8192
     assert sample(metrics, "kvproxy_capacity_known") == 1
     p = f"127.0.0.1:{prefill.port}"

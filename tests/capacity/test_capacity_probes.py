@@ -58,7 +58,9 @@ def test_sglang_05_prefill_with_metrics_and_models() -> None:
     assert got.context_source is not None
     assert got.context_source.startswith("metrics.sglang:context_len")
     assert (got.page_size, got.page_size_source) == (64, "server_info.page_size")
-    assert got.decode_limit_tokens == 681_273
+    # The scheduler's page-aware clamp (PR #25126): ceil_page(P) + out <= 681,280 - 64 - 1
+    # holds for every P + out <= 681,280 - 2 x 64 = 681,152.
+    assert got.decode_limit_tokens == 681_152
     assert got.bound_by == "pool"
     assert got.source == "measured"
     # The engine itself is configured with a context larger than its pool.
@@ -109,7 +111,8 @@ def test_sglang_decode_without_max_req_input_len_uses_metrics_context() -> None:
     got = measure_sglang(DECODE, info, metrics_text=load_text("sglang_0.5_decode_metrics.prom"))
     # min(1,048,576, 2,618,868) - 7
     assert got.input_limit_tokens == 1_048_569
-    assert got.decode_limit_tokens == 1_048_569
+    # max_req_len = 1,048,575 (context - 1): prompt + output <= 1,048,574 is served uncut.
+    assert got.decode_limit_tokens == 1_048_574
     assert got.bound_by == "context"
     assert got.input_limit_source.startswith("metrics.sglang:context_len")
 
@@ -282,3 +285,120 @@ def test_prometheus_parser_handles_escapes_and_timestamps() -> None:
 def test_probe_error_reasons_are_a_closed_set() -> None:
     with pytest.raises(ValueError, match="unknown probe error reason"):
         ProbeError("weird", "x")
+
+
+# --- the engines' own arithmetic (issue #24) -------------------------------------------------
+
+
+def test_sglang_eagle3_reserve_from_server_args() -> None:
+    # EAGLE3 topk 4 x 5 steps = 20 > 8 draft tokens: SGLang reserves 20. No context is
+    # reported, so the smallest one max_req_input_len allows (131,066 + 6) stands in:
+    # input + 20 >= 131,072 is refused -> 131,051 (the fixed 7 would say 131,065).
+    got = measure_sglang(UNIFIED, load_json("sglang_0.5_eagle3_server_info.json"))
+    assert got.input_limit_tokens == 131_051
+    assert "EAGLE3 reserve" in got.input_limit_source
+    assert "= 20" in got.input_limit_source
+    assert "server_info.speculative_algorithm" in got.fields_present
+    # With the context reported, the same rule: 131,072 - 20 - 1.
+    got = measure_sglang(
+        UNIFIED, load_json("sglang_0.5_eagle3_server_info.json"), models=models(131_072)
+    )
+    assert got.input_limit_tokens == 131_051
+    # Prompt + output: the total check counts the reserve too (131,072 - 20 - 1).
+    assert got.decode_limit_tokens == 131_051
+    assert got.request_limit_tokens == 131_051
+
+
+def test_sglang_newer_max_speculative_num_draft_tokens_counts() -> None:
+    info = load_json("sglang_0.5_eagle3_server_info.json")
+    info["max_speculative_num_draft_tokens"] = 64  # adaptive drafts (compute_num_reserved_tokens)
+    got = measure_sglang(UNIFIED, info, models=models(131_072))
+    assert got.input_limit_tokens == 131_072 - 64 - 1
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"speculative_eagle_topk": None}, "missing_field"),
+        ({"speculative_num_steps": "5"}, "bad_type"),
+        ({"speculative_num_draft_tokens": 0}, "bad_value"),
+        ({"speculative_algorithm": 3}, "bad_type"),
+    ],
+)
+def test_sglang_speculative_on_but_unreadable_gives_no_limit(
+    change: dict[str, Any], reason: str
+) -> None:
+    info = load_json("sglang_0.5_eagle3_server_info.json")
+    info.update(change)
+    with pytest.raises(ProbeError) as exc:
+        measure_sglang(UNIFIED, info, models=models(131_072))
+    assert reason_of(exc) == reason
+    if reason == "missing_field":
+        assert "no limit is derived" in exc.value.message
+
+
+def test_sglang_ngram_and_off_reserve_nothing() -> None:
+    for algorithm in ("NGRAM", None, "NONE"):
+        info = load_json("sglang_0.5_eagle3_server_info.json")
+        info["speculative_algorithm"] = algorithm
+        info["speculative_eagle_topk"] = None
+        got = measure_sglang(UNIFIED, info, models=models(131_072))
+        assert got.input_limit_tokens == 131_065  # max_req_input_len 131,066 - 1
+
+
+def test_sglang_dcp2_scales_the_pool_the_engine_reports() -> None:
+    # dcp_size 2 over a 681,280-token rank pool; the engine's own max_req_input_len
+    # (1,048,570 = min(1,048,575, 1,362,559) - 5) shows its build scales by DCP
+    # (PR #33448), so the context binds: 1,048,569. Per rank it would be 681,273.
+    got = measure_sglang(PREFILL, load_json("sglang_0.5_dcp2_server_info.json"))
+    assert got.input_limit_tokens == 1_048_569
+    assert got.pool_tokens == 681_280
+    assert "server_info.dcp_size" in got.fields_present
+
+
+def test_sglang_dcp_without_the_engines_report_keeps_the_rank_pool() -> None:
+    # A build before PR #33448 reports max_req_input_len from one rank's pool: the DCP
+    # size alone never raises the limit.
+    info = load_json("sglang_0.5_prefill_server_info.json")
+    info["dcp_size"] = 2
+    got = measure_sglang(PREFILL, info)
+    assert got.input_limit_tokens == 681_273
+    assert any("PR #33448" in n for n in got.notes)
+    info.pop("max_req_input_len")
+    for rank in info["internal_states"]:
+        rank.pop("max_req_input_len", None)
+    got = measure_sglang(PREFILL, info, models=models(1_048_576))
+    assert got.input_limit_tokens == 681_273
+
+
+def test_sglang_fields_present_and_absent_are_listed() -> None:
+    got = measure_sglang(PREFILL, load_json("sglang_0.5_prefill_server_info.json"))
+    # Current engines keep the sliding-window pool in the model runner only.
+    assert "server_info.swa_max_total_num_tokens" in got.fields_absent
+    assert "server_info.max_total_num_tokens" in got.fields_present
+    assert "/metrics" in got.fields_absent
+    shown = got.to_json()["fields"]
+    assert set(shown["present"]).isdisjoint(shown["absent"])
+
+
+def test_sglang_dp_ranks_without_their_own_input_limit_are_said_so() -> None:
+    got = measure_sglang(PREFILL, load_json("sglang_0.5_dp4_server_info.json"))
+    assert any("DP rank 0's" in n for n in got.notes)
+
+
+def test_vllm_dp2_blocks_are_split_per_engine() -> None:
+    # Two engines; each series carries the front end's sum, 131,072 blocks of 16:
+    # one engine holds 65,536 x 16 = 1,048,576 tokens, not 2,097,152.
+    got = measure_vllm(VLLM, load_text("vllm_0.9_dp2_metrics_blocks_only.prom"), models(131_072))
+    assert got.pool_tokens == 1_048_576
+    assert "/2 engines" in got.pool_source
+    assert "2 DP engines" in got.warning_note("pool_from_blocks")
+    assert "metrics.vllm:cache_config_info.kv_cache_size_tokens" in got.fields_absent
+
+
+def test_vllm_dp_size_unknown_refuses_the_blocks_fallback() -> None:
+    text = load_text("vllm_0.9_dp2_metrics_blocks_only.prom").replace('engine="1",', "")
+    with pytest.raises(ProbeError) as exc:
+        measure_vllm(VLLM, text, models(131_072))
+    assert reason_of(exc) == "missing_field"
+    assert "DP size" in exc.value.message

@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import aiohttp
 from kvtest import running_proxy
@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy.app import KvproxyServer
 from kvproxy.metrics import DEFERRED_OUTCOMES, DISCONNECT_PHASES
+from kvproxy.prompt import Route
 from kvproxy.sim import SimCluster, SimOptions
 
 CHAT = "/v1/chat/completions"
@@ -286,7 +287,7 @@ def abandoned(server: KvproxyServer) -> int:
     return int(
         sum(
             sample(server, "kvproxy_requests_total", route=r, decision="abandoned")
-            for r in ("chat", "completions", "generate", "passthrough")
+            for r in (*get_args(Route), "passthrough")
         )
     )
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import re
 import shutil
 import tracemalloc
+import zlib
 from pathlib import Path
 
 import orjson
@@ -213,9 +215,12 @@ async def test_smuggling_attempts_are_400_and_never_forwarded(
 
 
 async def test_absolute_form_targets_go_to_the_upstream_only(upstream: FakeUpstream) -> None:
-    """`POST http://evil/...` and `//evil/...` must not become requests to another host."""
+    """`POST http://evil/...` and `//evil/...` must not become requests to another host:
+    the first is counted and reaches our upstream as a path on it; the second (an empty
+    segment, not a route) is refused by the route allowlist and reaches nothing."""
     _ok_upstream(upstream)
     await upstream.start()
+    answers = []
     async with running_proxy(upstream.url) as proxy:
         for target in (b"http://evil.invalid" + CHAT.encode(), b"//evil.invalid/x"):
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.public_port)
@@ -223,11 +228,12 @@ async def test_absolute_form_targets_go_to_the_upstream_only(upstream: FakeUpstr
                 b"POST %s HTTP/1.1\r\nHost: evil.invalid\r\nContent-Length: %d\r\n"
                 b"Connection: close\r\n\r\n" % (target, len(BODY)) + BODY
             )
-            answer = await _read_answer(reader, 10)
+            answers.append(await _read_answer(reader, 10))
             await _close(writer)
-            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
-    # Both reached our upstream (nothing else exists to reach), as paths on it.
-    assert [r["path"] for r in upstream.received] == [CHAT, "//evil.invalid/x"]
+    assert answers[0].startswith(b"HTTP/1.1 200"), answers[0][:200]
+    assert answers[1].startswith(b"HTTP/1.1 404"), answers[1][:200]
+    assert b"route_not_found" in answers[1]
+    assert [r["path"] for r in upstream.received] == [CHAT]
 
 
 # --- memory ----------------------------------------------------------------------------------
@@ -350,3 +356,62 @@ def _post_head() -> bytes:
         )
         + BODY
     )
+
+
+# --- compressed bodies, written by hand ------------------------------------------------------
+
+
+def _chunked(data: bytes, size: int = 4096) -> bytes:
+    out = b"".join(
+        b"%x\r\n%s\r\n" % (len(data[i : i + size]), data[i : i + size])
+        for i in range(0, len(data), size)
+    )
+    return out + b"0\r\n\r\n"
+
+
+async def test_a_chunked_gzip_upload_is_counted_and_forwarded_decoded(
+    upstream: FakeUpstream,
+) -> None:
+    _ok_upstream(upstream)
+    await upstream.start()
+    body = gzip.compress(BODY)
+    async with running_proxy(upstream.url) as proxy:
+        answer = await _exchange(
+            proxy.public_port,
+            b"POST %s HTTP/1.1\r\nHost: a\r\ncontent-encoding: GZip\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" % CHAT.encode() + _chunked(body, 7),
+        )
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    (got,) = upstream.received
+    assert got["body"] == BODY
+    assert "Content-Encoding" not in got["headers"]
+
+
+async def test_a_zip_bomb_is_413_and_memory_stays_near_the_limit(upstream: FakeUpstream) -> None:
+    """64 MiB of zeros in ~64 KiB of gzip, uploaded chunked under a 4 MiB body limit: the
+    proxy inflates at most the limit, never the bomb."""
+    _ok_upstream(upstream)
+    await upstream.start()
+    limit = 4 * MIB
+    zeros = zlib.compressobj(9, zlib.DEFLATED, 31)
+    bomb = b"".join(zeros.compress(b"\0" * MIB) for _ in range(64)) + zeros.flush()
+    assert len(bomb) < limit // 16
+    async with running_proxy(upstream.url, max_body_bytes=limit) as proxy:
+        was_tracing = tracemalloc.is_tracing()
+        if not was_tracing:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        try:
+            answer = await _exchange(
+                proxy.public_port,
+                b"POST %s HTTP/1.1\r\nHost: a\r\nContent-Encoding: gzip\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n" % CHAT.encode() + _chunked(bomb),
+            )
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            if not was_tracing:
+                tracemalloc.stop()
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+        assert b'"code":"request_too_large"' in answer
+        assert peak < 4 * limit, f"peak {peak / MIB:.1f} MiB"
+    assert upstream.received == []

@@ -256,3 +256,20 @@ async def test_large_shapes_are_planned_off_the_loop() -> None:
         await c.aclose()
     assert seen[0] == loop_thread
     assert seen[1] != loop_thread
+
+
+async def test_a_batch_carries_its_total_next_to_the_largest_sequence() -> None:
+    """The budget charges the total; the limit is checked on the largest sequence."""
+    tok = FakeTokenizer()
+    c = counter_with(tok)
+    try:
+        bound = await c.count(completion(["hello world", "a b c d e f"]), 1000)
+        # The bounds fit the limit but their sum is over the budget's room: count exactly.
+        exact = await c.count(completion(["hello world", "a b c d e f"]), 1000, 20)
+    finally:
+        await c.aclose()
+    assert bound.method == "bound"
+    assert bound.tokens == len("a b c d e f") + 2
+    assert bound.total_tokens == len("hello world") + 2 + len("a b c d e f") + 2
+    assert exact.method == "exact"
+    assert (exact.tokens, exact.total_tokens) == (6 + 1, 2 + 1 + 6 + 1)

@@ -1,0 +1,106 @@
+"""`decode_policy: clamp` (kvproxy/clamp.py): every body shape is clamped or refused with a
+400 naming the field, never a 500; what is forwarded asks for no more than fits decode.
+
+Ground truth: the body the fake upstream received, re-parsed by kvproxy's own parser and read
+field by field. The fuzzing of the pure function lives in tests/hostile/test_hostile_clamp.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from kvtest import FakeUpstream, running_proxy, static_engines
+
+from kvproxy.prompt import parse_request
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
+BIG = 50_000  # asks for more than the 3,000-token decode pool can hold
+
+GENERATE_SHAPES: dict[str, Any] = {
+    "one object": {"max_new_tokens": BIG},
+    "a list, one per item": [{"max_new_tokens": BIG}, {"max_new_tokens": 10}],
+    "a list with an item that names no cap": [{"max_new_tokens": BIG}, {"temperature": 0}],
+    "a list with n": [{"max_new_tokens": BIG, "n": 2}, {"max_new_tokens": BIG}],
+}
+OPENAI_SHAPES: dict[str, dict[str, Any]] = {
+    "max_tokens": {"max_tokens": BIG},
+    "max_completion_tokens": {"max_completion_tokens": BIG},
+    "both": {"max_tokens": 5, "max_completion_tokens": BIG},
+}
+
+
+def _prompt(route: str, batch: int = 1) -> dict[str, Any]:
+    if route == "chat":
+        return {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    key = "prompt" if route == "completions" else "text"
+    return {key: ["hi"] * batch if batch > 1 else "hi"}
+
+
+async def _send(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, route: str, body: bytes
+) -> tuple[aiohttp.ClientResponse, Any]:
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"id": "ok", "choices": []})
+
+    upstream.route("POST", PATHS[route], ok)
+    await upstream.start()
+    engines = static_engines(capacity=100_000, decode=3_000)
+    async with (
+        running_proxy(upstream.url, engines=engines, decode_policy="clamp") as proxy,
+        http.post(proxy.public_url + PATHS[route], data=body) as resp,
+    ):
+        return resp, await resp.json()
+
+
+@pytest.mark.parametrize("shape", list(GENERATE_SHAPES))
+async def test_generate_batches_are_clamped_item_by_item(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, shape: str
+) -> None:
+    sp = GENERATE_SHAPES[shape]
+    body = orjson.dumps({**_prompt("generate", batch=2), "sampling_params": sp})
+    resp, _ = await _send(upstream, http, "generate", body)
+    assert resp.status == 200
+    cap = int(resp.headers["X-Kvproxy-Output-Clamped"])
+    prompt = int(resp.headers["X-Kvproxy-Prompt-Tokens"])
+    sent = orjson.loads(upstream.received[0]["body"])["sampling_params"]
+    items = sent if isinstance(sent, list) else [sent]
+    n = max(item.get("n", 1) for item in items)
+    assert prompt + cap * n <= 3_000
+    for before, after in zip(sp if isinstance(sp, list) else [sp], items, strict=True):
+        own = before.get("max_new_tokens")
+        assert after["max_new_tokens"] == (cap if own is None or own > cap else own)
+        assert {k: v for k, v in after.items() if k != "max_new_tokens"} == {
+            k: v for k, v in before.items() if k != "max_new_tokens"
+        }
+
+
+@pytest.mark.parametrize("shape", list(OPENAI_SHAPES))
+@pytest.mark.parametrize("route", ["chat", "completions"])
+async def test_openai_routes_are_clamped_to_one_cap(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, route: str, shape: str
+) -> None:
+    body = orjson.dumps({**_prompt(route, batch=2 if route == "completions" else 1),
+                         **OPENAI_SHAPES[shape]})  # fmt: skip
+    resp, _ = await _send(upstream, http, route, body)
+    assert resp.status == 200
+    cap = int(resp.headers["X-Kvproxy-Output-Clamped"])
+    sent = parse_request(route, upstream.received[0]["body"])  # type: ignore[arg-type]
+    assert sent.max_output_tokens is not None
+    assert sent.max_output_tokens <= cap
+
+
+async def test_a_body_too_deep_to_rewrite_is_400_not_500(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """orjson reads 1,024 levels but writes 254: an unmodelled deep field used to 500."""
+    deep = b"[" * 400 + b"1" + b"]" * 400
+    body = b'{"text":"hi","sampling_params":{"max_new_tokens":50000},"extra":' + deep + b"}"
+    resp, doc = await _send(upstream, http, "generate", body)
+    assert resp.status == 400
+    assert doc["object"] == "error"
+    assert "sampling_params" in doc["message"] or "nested" in doc["message"]
+    assert upstream.received == []

@@ -1,0 +1,62 @@
+"""The tripwire and the drain read /v1/responses and /v1/messages output too: generated text
+in their stream events and whole bodies is found (a canary there would otherwise pass
+unseen, and a first token after a disconnect would never be recognised)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from kvproxy.sse import StreamTexts, body_texts, has_token
+
+
+@pytest.mark.parametrize(
+    ("event", "text"),
+    [
+        ({"type": "response.output_text.delta", "output_index": 0, "delta": "leak"}, "leak"),
+        ({"type": "response.refusal.delta", "delta": "no"}, "no"),
+        ({"type": "response.function_call_arguments.delta", "delta": '{"a"'}, '{"a"'),
+        ({"type": "content_block_delta", "index": 1, "delta": {"text": "t"}}, "t"),
+        ({"type": "content_block_delta", "delta": {"thinking": "h"}}, "h"),
+        ({"type": "content_block_delta", "delta": {"partial_json": "{"}}, "{"),
+    ],
+)  # fmt: skip
+def test_stream_events_carry_text_and_a_token(event: dict[str, object], text: str) -> None:
+    info = StreamTexts().feed(orjson.dumps(event))
+    assert [t for _, t in info.texts] == [text]
+    assert info.has_token
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "response.created", "response": {"id": "r"}},
+        {"type": "response.output_text.delta", "delta": ""},
+        {"type": "message_start", "message": {"content": []}},
+        {"type": "content_block_delta", "delta": "x"},
+        {"type": "error", "error": {"type": "overloaded_error", "message": "m"}},
+    ],
+)
+def test_lifecycle_and_error_events_are_not_tokens(event: dict[str, object]) -> None:
+    assert not has_token(orjson.dumps(event))
+
+
+def test_whole_bodies_are_scanned() -> None:
+    responses = {
+        "object": "response",
+        "output": [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+            {"type": "message", "content": [{"type": "output_text", "text": "leak"}]},
+            {"type": "function_call", "name": "f", "arguments": '{"x":1}'},
+        ],
+    }
+    assert body_texts(orjson.dumps(responses)) == ["f", '{"x":1}', "s", "leak"]
+    messages = {
+        "type": "message",
+        "content": [
+            {"type": "thinking", "thinking": "th"},
+            {"type": "text", "text": "leak"},
+            {"type": "tool_use", "name": "g", "input": {"k": "v"}},
+        ],
+    }
+    assert body_texts(orjson.dumps(messages)) == ["th", "leak", "g", '{"k":"v"}']
