@@ -195,7 +195,6 @@ class Settings(BaseSettings):
             return v
         raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
 
-<<<<<<< HEAD
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
@@ -204,14 +203,14 @@ class Settings(BaseSettings):
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError("must start with redis://, rediss:// or unix://")
-=======
+        return v
+
     @field_validator("passthrough_routes")
     @classmethod
     def _passthrough(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         from kvproxy.routes import parse_passthrough  # the allowlist's one parser
 
         parse_passthrough(v)
->>>>>>> main
         return v
 
     @model_validator(mode="after")
