@@ -20,6 +20,10 @@ policy applies, logged once on the switch and once on the return, counted and sh
     reject       new requests get 503 `budget_unavailable` with Retry-After.
 Requests already holding Redis leases keep them; their releases are kept and replayed when
 Redis returns, and live leases that Redis lost are put back, so nothing leaks or counts twice.
+Under `local_share` the shares add up to the budget across the switch both ways: what a
+replica holds under Redis leases counts against its share during the outage; when Redis
+returns, its local-share leases still held are registered there, and for a few seconds it
+keeps its share as a cap, while the other replicas notice the return and register theirs.
 
 The interface is the local `InflightBudget`'s: `acquire`, `reject_waiting`, the in-use
 properties; plus `start`/`aclose` for the connection and the renewal task.
@@ -34,7 +38,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,6 +66,10 @@ WAITER_TTL_MS = 3000
 RETRY_EVERY_S = 0.5
 # While degraded, how often Redis is probed for its return.
 PROBE_EVERY_S = 1.0
+# After Redis returns, a local_share replica keeps its share as a cap for this long: other
+# replicas may still be degraded, holding local-share leases Redis cannot see yet (they
+# register them when they notice Redis is back, within a probe interval or two).
+RECOVERY_GRACE_S = 3 * PROBE_EVERY_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +109,15 @@ class RedisLease:
 
 
 class _FallbackLease:
-    """A lease of the local share taken while Redis was down."""
+    """A lease of the local share taken while Redis was down. When Redis returns while it is
+    still held, it is registered there too (`redis_id`), so the cluster budget counts it."""
 
-    __slots__ = ("_budget", "_inner")
+    __slots__ = ("_budget", "_inner", "redis_id")
 
     def __init__(self, budget: RedisBudget, inner: Lease) -> None:
         self._budget = budget
         self._inner = inner
+        self.redis_id: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -124,7 +134,7 @@ class _FallbackLease:
     def release(self) -> None:
         if not self._inner.released:
             self._inner.release()
-            self._budget._publish()
+            self._budget._fallback_released(self)
 
 
 class RedisBudget:
@@ -155,6 +165,8 @@ class RedisBudget:
         self._ids = itertools.count(1)
         self._live: dict[str, int] = {}  # lease id -> tokens, for renewal
         self._unreleased: set[str] = set()  # releases Redis has not confirmed yet
+        self._fallback_held: set[_FallbackLease] = set()
+        self._share_until = 0.0  # monotonic time the post-outage share cap ends
         self._tokens = 0
         self._requests = 0
         self._waiters = 0
@@ -204,7 +216,7 @@ class RedisBudget:
 
     async def start(self) -> None:
         try:
-            await self._call(self._client.ping())
+            await self._call(lambda: self._client.ping())
         except REDIS_DOWN as exc:
             self._enter_degraded(exc)
         self._loops = [
@@ -255,7 +267,7 @@ class RedisBudget:
         try:
             while True:
                 wake = self._wake
-                if await self._try(lease_id, tokens):
+                if not self._over_share(tokens) and await self._try(lease_id, tokens):
                     waited = time.monotonic() - started
                     self._metrics.queue_wait.observe(waited)
                     self._live[lease_id] = tokens
@@ -316,10 +328,16 @@ class RedisBudget:
 
     # --- Redis calls ------------------------------------------------------------------------
 
-    async def _call(self, aw: Awaitable[Any]) -> Any:
+    async def _call(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        """One Redis call under the deadline. A connection Redis closed (a restart, a
+        failover) fails the first call made on it: that call is made once more on a fresh
+        connection, which is safe because every script is idempotent per lease id."""
         started = time.perf_counter()
         async with asyncio.timeout(self.options.timeout_s):
-            result = await aw
+            try:
+                result = await make()
+            except RedisConnectionError:
+                result = await make()
         self._metrics.budget_redis_rtt.observe(time.perf_counter() - started)
         return result
 
@@ -329,7 +347,7 @@ class RedisBudget:
     async def _try(self, lease_id: str, tokens: int) -> bool:
         try:
             granted, used_t, used_r, expired = await self._call(
-                self._acquire(
+                lambda: self._acquire(
                     **self._script_args(
                         lease_id,
                         tokens,
@@ -347,12 +365,12 @@ class RedisBudget:
 
     async def _forget(self, lease_id: str) -> None:
         with contextlib.suppress(*REDIS_DOWN):
-            await self._call(self._leave(**self._script_args(lease_id)))
+            await self._call(lambda: self._leave(**self._script_args(lease_id)))
             await self._remote_release(lease_id)
 
     async def _remote_release(self, lease_id: str) -> None:
         keys = [*self._keys.script_keys, self._keys.channel]
-        await self._call(self._release_script(keys=keys, args=[lease_id]))
+        await self._call(lambda: self._release_script(keys=keys, args=[lease_id]))
         self._unreleased.discard(lease_id)
 
     def _release(self, lease: RedisLease) -> None:
@@ -381,7 +399,7 @@ class RedisBudget:
             await asyncio.sleep(PROBE_EVERY_S if self.degraded else every)
             try:
                 if self.degraded:
-                    await self._call(self._client.ping())
+                    await self._call(lambda: self._client.ping())
                     await self._recover()
                 else:
                     await self._renew_live()
@@ -393,7 +411,7 @@ class RedisBudget:
         for lease_id, tokens in list(self._live.items()):
             args += [lease_id, tokens]
         renewed, used_t, used_r, expired, put_back = await self._call(
-            self._renew(keys=self._keys.script_keys, args=args)
+            lambda: self._renew(keys=self._keys.script_keys, args=args)
         )
         self._metrics.budget_lease_renewals.inc(int(renewed))
         self._seen(int(used_t), int(used_r), int(expired))
@@ -415,7 +433,15 @@ class RedisBudget:
         # Releases first, so a lease given back during the outage is not put back.
         for lease_id in list(self._unreleased):
             await self._remote_release(lease_id)
+        # Local-share leases still held join the cluster budget (the renewal puts them in),
+        # or the other replicas would hand their tokens out a second time.
+        for held in self._fallback_held:
+            if held.redis_id is None:
+                held.redis_id = f"{self.options.replica_id}:{next(self._ids)}"
+                self._live[held.redis_id] = held.tokens
         await self._renew_live()
+        if self.options.unavailable == "local_share":
+            self._share_until = time.monotonic() + RECOVERY_GRACE_S
         self.degraded = False
         self.last_error = None
         self._metrics.budget_degraded.set(0)
@@ -426,7 +452,7 @@ class RedisBudget:
         while not self._stopping:
             try:
                 async with self._client.pubsub() as ps:
-                    await self._call(ps.subscribe(self._keys.channel))
+                    await self._call(lambda: ps.subscribe(self._keys.channel))
                     while not self._stopping:
                         msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
                         if msg is not None:
@@ -440,9 +466,36 @@ class RedisBudget:
     async def _degraded_acquire(self, tokens: int) -> _FallbackLease:
         if self.options.unavailable == "reject":
             raise errors.budget_unavailable(self._retry_after_s)
+        share = self._fallback.max_tokens
+        if share is not None and self._tokens + self._fallback.tokens_in_use + tokens > share:
+            # What this replica still holds under Redis leases counts against its share: the
+            # shares must add up to the budget, outage or not.
+            raise errors.over_budget(
+                self._retry_after_s,
+                f"Redis is unavailable; this replica's share of {share:,} tokens is in use "
+                f"({self.tokens_in_use:,} held)",
+            )
         lease = _FallbackLease(self, await self._fallback.acquire(tokens))
+        self._fallback_held.add(lease)
         self._publish()
         return lease
+
+    def _over_share(self, tokens: int) -> bool:
+        """Right after an outage: would `tokens` more take this replica past its share?"""
+        share = self._fallback.max_tokens
+        if share is None or time.monotonic() >= self._share_until:
+            return False
+        return self.tokens_in_use + tokens > share
+
+    def _fallback_released(self, lease: _FallbackLease) -> None:
+        self._fallback_held.discard(lease)
+        if lease.redis_id is not None:
+            self._live.pop(lease.redis_id, None)
+            self._unreleased.add(lease.redis_id)
+            if not self.degraded:
+                self._background(self._release_quietly(lease.redis_id))
+        self._publish()
+        self._wake_all()
 
     def _enter_degraded(self, exc: BaseException) -> None:
         self.last_error = type(exc).__name__
@@ -498,10 +551,8 @@ class _RedisDown(Exception):
 
 def _client(o: RedisOptions) -> Any:
     kwargs: dict[str, Any] = {
-        # One immediate retry on a broken pooled connection (Redis restarted, failover):
-        # every script is idempotent per lease id, so a retried call cannot count twice.
-        "retry": Retry(NoBackoff(), 1),
-        "retry_on_error": [RedisConnectionError],
+        # Retries are ours (`RedisBudget._call`), under our deadline.
+        "retry": Retry(NoBackoff(), 0),
         "socket_timeout": o.timeout_s,
         "socket_connect_timeout": o.timeout_s,
         "decode_responses": False,

@@ -240,7 +240,8 @@ class Metrics:
         )
         self.budget_leases_reasserted = Counter(
             "kvproxy_budget_leases_reasserted_total",
-            "Live leases put back after Redis had lost them (restart, long outage).",
+            "Live leases put back after Redis had lost them (restart, long outage), or "
+            "local-share leases registered when Redis returned.",
             registry=r,
         )
         self.budget_redis_rtt = Histogram(
