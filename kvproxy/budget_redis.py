@@ -191,8 +191,6 @@ class RedisBudget:
         self._retry_after_s = max(1, min(MAX_RETRY_AFTER_S, math.ceil(queue_timeout_s)))
         metrics.budget_tokens_limit.set(max_tokens or 0)
         metrics.budget_degraded.set(0)
-        for policy in ("local_share", "reject"):
-            metrics.budget_fallbacks.labels(policy)
         self._publish()
 
     # --- the interface the proxy uses -----------------------------------------------------

@@ -31,6 +31,7 @@ QUEUE_SECONDS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 DEFERRED_OUTCOMES = ("first_token", "completed", "upstream_error", "timeout", "shutdown")
 DISCONNECT_PHASES = ("before_headers", "before_first_token", "streaming")
 COUNT_METHODS = ("bound", "exact", "engine")
+REDIS_UNAVAILABLE_POLICIES = ("local_share", "reject")
 
 
 class Metrics:
@@ -277,6 +278,8 @@ class Metrics:
             self.deferred_duration.labels(outcome)
         for phase in DISCONNECT_PHASES:
             self.client_disconnects.labels(phase)
+        for policy in REDIS_UNAVAILABLE_POLICIES:
+            self.budget_fallbacks.labels(policy)
         for method in COUNT_METHODS:
             self.prompt_tokens.labels(method)
             self.admission_duration.labels(method)
