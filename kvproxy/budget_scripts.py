@@ -101,7 +101,10 @@ end
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(tok))
 redis.call('HINCRBY', KEYS[3], 'requests', -1)
-redis.call('PUBLISH', KEYS[7], ARGV[1])
+-- Wake waiters only when there are some: a message costs every replica a wake-up.
+if redis.call('ZCARD', KEYS[4]) > 0 then
+  redis.call('PUBLISH', KEYS[7], ARGV[1])
+end
 return 1
 """
 
