@@ -10,14 +10,14 @@ PYTEST  := $(VENV)/bin/pytest
 SMG_VERSION := 1.13.0
 SMG_VENV    ?= .venv-smg
 SMG_STAMP   := $(SMG_VENV)/.installed-smg-$(SMG_VERSION)
-APT_PKGS := prometheus wrk nginx-light curl
+APT_PKGS := prometheus wrk nginx-light curl redis-server
 
 .PHONY: run test test-fast test-slow lint fmt sysdeps smg dashboard bench bench-peers check-record clean
 
 $(STAMP): pyproject.toml $(SMG_STAMP)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,test,dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,redis,test,dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -37,6 +37,7 @@ sysdeps:
 	command -v wrk >/dev/null || missing="$$missing wrk"; \
 	command -v nginx >/dev/null || missing="$$missing nginx-light"; \
 	command -v curl >/dev/null || missing="$$missing curl"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing:$$missing"; \

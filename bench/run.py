@@ -62,7 +62,13 @@ _QUIET = (("KVPROXY_ACCESS_LOG", "false"), ("KVPROXY_CANARIES", "[]"))
 # policy to the one before; the last is the full policy of the comparison's kvproxy row.
 # /v1/other is not an inference route: kvproxy relays it without parsing or counting.
 POLICY_STEPS: tuple[tuple[str, str | None, tuple[tuple[str, str], ...], str], ...] = (
-    ("relay only (not an inference route)", "bytes", _QUIET, "/v1/other"),
+    # /v1/other is forwarded uncounted only because it is listed as a pass-through route.
+    (
+        "relay only (a pass-through route)",
+        "bytes",
+        (*_QUIET, ("KVPROXY_PASSTHROUGH_ROUTES", '["/v1/other"]')),
+        "/v1/other",
+    ),
     ("+ parse and byte-bound admission", "bytes", _QUIET, "/v1/chat/completions"),
     ("+ Qwen-3 tokenizer and chat template", None, _QUIET, "/v1/chat/completions"),
     ("+ canary scan and access log (full policy)", None, (), "/v1/chat/completions"),
@@ -278,6 +284,44 @@ class Bench:
                     rows[name].append(r)
         return _median_rows(rows)
 
+    def budget_cost(self, chat: Upstream) -> dict[str, Any] | None:
+        """The in-flight budget on Redis against the local one: the same small chat, with a
+        budget far above what the load holds (so nothing waits), one Redis round trip to
+        acquire and one to release per request."""
+        started = targets.start_redis(self.work)
+        if started is None:
+            self.notes.append("redis-server not installed: budget backend phase skipped")
+            return None
+        redis, url = started
+        budget = (("KVPROXY_MAX_INFLIGHT_PROMPT_TOKENS", "100000000"),)
+        backends = {
+            "local budget": (*_QUIET, *budget),
+            "redis budget": (
+                *_QUIET,
+                *budget,
+                ("KVPROXY_BUDGET_BACKEND", "redis"),
+                ("KVPROXY_REDIS_URL", url),
+            ),
+        }
+        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in backends}
+        try:
+            for rnd in range(self.rounds):
+                for name, env in backends.items():
+                    self.log(f"round {rnd + 1}/{self.rounds}: budget backend, {name}")
+                    base = self.kvproxy_opts("exact", tokenizer="bytes")
+                    opts = targets.KvproxyOptions(base.tokenizer, base.engine_url, env)
+                    r = self.with_target(
+                        "kvproxy",
+                        targets.kvproxy_starter(opts),
+                        chat,
+                        lambda run: workloads.small_chat(run, self.d),
+                    )
+                    if r:
+                        rows[name].append(r)
+        finally:
+            redis.stop()
+        return _median_rows(rows)
+
     def long_prompts(self, chat: Upstream, starters: dict[str, Starter]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         bound = targets.kvproxy_starter(self.kvproxy_opts("bound"))
@@ -427,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         results["small_chat"], results["sse"] = small, relay
         if args.mode != "tiny":
             results["policy_cost"] = bench.policy_cost(chat)
+            results["budget_backend"] = bench.budget_cost(chat)
             results["long_prompts"] = bench.long_prompts(chat, starters)
             results["decision_latency"] = bench.decision_latency()
             results["mixed"] = bench.mixed(chat, small.get("kvproxy", {}).get("rps"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -167,6 +168,20 @@ def start_sim_prefill(workdir: Path, *, pool_tokens: int, name: str = "sim") -> 
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/server_info", timeout_s=60, proc=m)
     return m, url
+
+
+def start_redis(workdir: Path) -> tuple[Managed, str] | None:
+    """Debian's redis-server on a loopback port, no persistence, on the load generator's
+    CPU (Redis is another process of the deployment, not kvproxy's cost); None if absent."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None
+    port = free_port()
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+           "no", "--dir", str(workdir)]  # fmt: skip
+    m = Managed("redis", cmd, cpu=LOAD_CPU, log=workdir / f"redis-{port}.log").start()
+    wait_port(port, timeout_s=30, proc=m)
+    return m, f"redis://127.0.0.1:{port}/0"
 
 
 # --- LiteLLM (bench-peers only) ---------------------------------------------------------

@@ -420,6 +420,56 @@ DISCONNECTS = Row(
             overrides=(right_axis("p99 wait", "s"),),
         ),
         Panel(
+            "Cluster budget on Redis",
+            "timeseries",
+            "budget_backend: redis. Prompt tokens held by every replica together (as each "
+            "replica last saw it), and 1 while a replica is without Redis (its "
+            "redis_unavailable policy applies).",
+            (
+                Query(f"max({sel('kvproxy_budget_cluster_prompt_tokens')})", "cluster held"),
+                Query(
+                    f"sum({sel('kvproxy_inflight_prompt_tokens_limit')}) / count("
+                    f"{sel('kvproxy_inflight_prompt_tokens_limit')})",
+                    "limit",
+                ),
+                Query(f"sum({sel('kvproxy_budget_backend_degraded')})", "replicas degraded"),
+            ),
+            unit="none",
+            overrides=(
+                styled("limit", "red", dashed=True),
+                right_axis("replicas degraded", "none"),
+            ),
+        ),
+        Panel(
+            "Redis budget: round trips, renewals, expiries",
+            "timeseries",
+            "p99 Redis round trip of the budget's calls; per second: lease renewals, expired "
+            "leases reclaimed (a replica died holding budget), leases put back after Redis lost "
+            "them, and switches to the redis_unavailable policy.",
+            (
+                *quantiles("kvproxy_budget_redis_rtt_seconds", "", (0.99,), "redis rtt"),
+                Query(
+                    f"sum(rate({sel('kvproxy_budget_lease_renewals_total')}[{RATE}]))", "renewals"
+                ),
+                Query(
+                    f"sum(rate({sel('kvproxy_budget_lease_expiries_total')}[{RATE}]))", "expiries"
+                ),
+                Query(
+                    f"sum(rate({sel('kvproxy_budget_leases_reasserted_total')}[{RATE}]))",
+                    "put back",
+                ),
+                Query(
+                    f"sum(rate({sel('kvproxy_budget_backend_fallbacks_total')}[{RATE}]))",
+                    "fallbacks",
+                ),
+            ),
+            unit="s",
+            overrides=tuple(
+                right_axis(name, "short")
+                for name in ("renewals", "expiries", "put back", "fallbacks")
+            ),
+        ),
+        Panel(
             "Token chunks discarded after disconnect (/s)",
             "timeseries",
             "Generated chunks read from upstream and dropped while draining (the cost of I5).",
@@ -502,7 +552,8 @@ HEALTH = Row(
         Panel(
             "Upstream time to first byte (s)",
             "timeseries",
-            "From forwarding to the first generated output of a stream (any field), or the first body byte otherwise: prefill time of long prompts.",
+            "From forwarding to the first generated output of a stream (any field), or the "
+            "first body byte otherwise: prefill time of long prompts.",
             quantiles("kvproxy_upstream_ttft_seconds", "", (0.5, 0.9, 0.99), ""),
             unit="s",
         ),

@@ -140,6 +140,27 @@ ALERTS: tuple[Alert, ...] = (
         "tokenizer does not match the model, so prompts near the limit may be admitted "
         "above it (I1).",
     ),
+    Alert(
+        "KvproxyBudgetRedisUnavailable",
+        "max by (job, instance) (kvproxy_budget_backend_degraded) > 0\n",
+        "warning",
+        "kvproxy {{ $labels.instance }} cannot reach the cluster budget's Redis",
+        "kvproxy {{ $labels.instance }} has been without Redis for 2 minutes: its "
+        "redis_unavailable policy applies (local_share: it enforces its share of the budget "
+        "on its own; reject: new requests get 503 budget_unavailable).",
+        hold="2m",
+    ),
+    Alert(
+        "KvproxyBudgetLeasesExpired",
+        "sum by (job, instance) (increase(kvproxy_budget_lease_expiries_total[15m])) > 0\n",
+        "warning",
+        "Budget leases expired (a kvproxy replica died holding them)",
+        "kvproxy {{ $labels.instance }} reclaimed about "
+        + ROUNDED_VALUE
+        + " expired budget lease(s) in the last 15 minutes: a replica died (or lost Redis "
+        "longer than the lease TTL) while its requests held budget. The budget healed; find "
+        "out why the replica died.",
+    ),
 )
 
 

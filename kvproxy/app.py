@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from kvproxy.budget import InflightBudget
+from kvproxy.budget_build import build_budget
 from kvproxy.canary import CanaryRules
 from kvproxy.capacity import CapacityMonitor
 from kvproxy.config import Settings
@@ -106,13 +106,7 @@ class KvproxyServer:
             lag=LoopLagMonitor(self.metrics),
             capacity=capacity,
             counter=counter,
-            budget=InflightBudget(
-                max_tokens=s.max_inflight_prompt_tokens,
-                max_requests=s.max_inflight_requests,
-                queue_timeout_s=s.queue_timeout_s,
-                queue_max_waiters=s.queue_max_waiters,
-                metrics=self.metrics,
-            ),
+            budget=build_budget(s, self.metrics),
             tenants=TenantResolver(s),
             canaries=CanaryRules.from_settings(s),
             hard_stop=loop.create_future(),
@@ -123,6 +117,7 @@ class KvproxyServer:
         log.info("token counting: %s", counter.describe())
         self.metrics.set_tokenizer_backend(counter.backend)
         await capacity.start()
+        await state.budget.start()
         state.watcher.start()
         state.lag.start()
 
@@ -191,7 +186,9 @@ class KvproxyServer:
         return _json({"ready": True})
 
     async def _capacity(self, request: web.Request) -> web.Response:
-        return _json(self.state.capacity.snapshot_json())
+        return _json(
+            {**self.state.capacity.snapshot_json(), "budget": self.state.budget.describe_json()}
+        )
 
     async def _tripwire(self, request: web.Request) -> web.Response:
         # What `kvproxy canary` needs to say why the tripwire withheld nothing: whose tenant
@@ -235,6 +232,7 @@ class KvproxyServer:
         await state.watcher.stop()
         await state.lag.stop()
         await state.capacity.stop()
+        await state.budget.aclose()
         await state.counter.aclose()
         await state.session.close()
         if self._admin is not None:

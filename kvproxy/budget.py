@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any, Protocol
 
 from kvproxy import errors
 from kvproxy.metrics import Metrics
@@ -194,6 +195,22 @@ class InflightBudget:
         self._metrics.queue_wait.observe(waited)
         return Lease(self, tokens, waited)
 
+    async def start(self) -> None:
+        """Nothing to connect: the local budget lives in this process."""
+
+    async def aclose(self) -> None:
+        """Nothing to close."""
+
+    def describe_json(self) -> dict[str, Any]:
+        return {
+            "backend": "local",
+            "max_tokens": self.max_tokens,
+            "max_requests": self.max_requests,
+            "replica_tokens_in_use": self._tokens,
+            "replica_requests_in_use": self._requests,
+            "queued": len(self._waiters),
+        }
+
     def reject_waiting(self, detail: str = "the server is shutting down") -> int:
         """Fail every queued request with over_budget (on shutdown); returns how many."""
         n = 0
@@ -267,3 +284,33 @@ class InflightBudget:
             f"<InflightBudget tokens={self._tokens}/{self.max_tokens} "
             f"requests={self._requests}/{self.max_requests} queued={len(self._waiters)}>"
         )
+
+
+class BudgetLease(Protocol):
+    """What the proxy holds while a request is upstream, whichever budget lent it."""
+
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def waited_s(self) -> float: ...
+    @property
+    def released(self) -> bool: ...
+    def release(self) -> None: ...
+
+
+class Budget(Protocol):
+    """The interface the proxy and the app use: the local budget and the Redis one."""
+
+    max_tokens: int | None
+
+    @property
+    def tokens_in_use(self) -> int: ...
+    @property
+    def requests_in_use(self) -> int: ...
+    @property
+    def queue_depth(self) -> int: ...
+    async def acquire(self, tokens: int) -> BudgetLease: ...
+    def reject_waiting(self, detail: str = ...) -> int: ...
+    async def start(self) -> None: ...
+    async def aclose(self) -> None: ...
+    def describe_json(self) -> dict[str, Any]: ...

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -128,6 +136,25 @@ class Settings(BaseSettings):
     max_inflight_requests: int | None = Field(default=None, ge=1)
     queue_timeout_s: float = Field(default=30.0, ge=0)
     queue_max_waiters: int = Field(default=1024, ge=0)
+    # Where the budget lives. local: this replica alone (N replicas may over-commit N-fold);
+    # redis: one budget for every replica in front of the same engines (kvproxy.budget_redis).
+    budget_backend: Literal["local", "redis"] = "local"
+    # redis://, rediss:// (TLS) or unix://. May carry a password; it is never logged.
+    redis_url: SecretStr | None = None
+    # The password apart from the URL: a file (a mounted Secret) or KVPROXY_REDIS_PASSWORD.
+    redis_password_file: Path | None = None
+    redis_password: SecretStr | None = None
+    redis_tls_ca_file: Path | None = None
+    redis_key_prefix: str = Field(default="kvproxy:budget", min_length=1)
+    # One budget per engine pool: replicas in front of the same engines share this name.
+    budget_pool: str = Field(default="default", min_length=1, max_length=128)
+    # A dead replica's leases come back after this long; live ones are renewed every third.
+    redis_lease_ttl_s: float = Field(default=15.0, ge=0.3)
+    # A Redis call slower than this counts as Redis unavailable.
+    redis_timeout_s: float = Field(default=0.5, gt=0)
+    redis_unavailable: Literal["local_share", "reject"] = "local_share"
+    # local_share enforces budget / this on each replica while Redis is unavailable.
+    budget_expected_replicas: int = Field(default=1, ge=1)
 
     # --- tenants and canaries ------------------------------------------------------------
     tenant_header: str = "X-Tenant-ID"
@@ -168,6 +195,16 @@ class Settings(BaseSettings):
             return v
         raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
+        # The message names the scheme only: the URL may hold a password.
+        if v is not None and not v.get_secret_value().startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
     @field_validator("passthrough_routes")
     @classmethod
     def _passthrough(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -180,7 +217,21 @@ class Settings(BaseSettings):
     def _coherent(self) -> Settings:
         if self.capacity_stale_s < self.capacity_refresh_s:
             raise ValueError("capacity_stale_s must be >= capacity_refresh_s")
+        if self.budget_backend == "redis" and self.redis_url is None:
+            raise ValueError("budget_backend redis needs redis_url")
         return self
+
+    def redis_password_value(self) -> str | None:
+        """The Redis password from the file or the setting (the file wins); never logged."""
+        if self.redis_password_file is not None:
+            try:
+                return self.redis_password_file.read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"invalid setting redis_password_file (KVPROXY_REDIS_PASSWORD_FILE): "
+                    f"cannot read it ({type(exc).__name__})"
+                ) from None
+        return None if self.redis_password is None else self.redis_password.get_secret_value()
 
     @classmethod
     def settings_customise_sources(

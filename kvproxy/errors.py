@@ -66,6 +66,7 @@ REJECTION_REASONS = (
     "capacity_unknown",
     "count_unavailable",
     "over_budget",
+    "budget_unavailable",
     "method_not_allowed",
     "route_not_found",
 )
@@ -271,6 +272,19 @@ def over_budget(retry_after_s: int, detail: str) -> KvproxyError:
         reason="over_budget",
         type="rate_limit_error",
         message=f"the in-flight budget is full ({detail}); retry later",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def budget_unavailable(retry_after_s: int) -> KvproxyError:
+    """Redis, which holds the cluster budget, cannot be reached and the operator chose
+    `redis_unavailable: reject`: refusing is the price of never over-committing the pool."""
+    return KvproxyError(
+        status=503,
+        code="budget_unavailable",
+        reason="budget_unavailable",
+        type="service_unavailable",
+        message="the cluster in-flight budget (Redis) is unavailable; retry later",
         headers={"Retry-After": str(retry_after_s)},
     )
 

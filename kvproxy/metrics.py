@@ -24,6 +24,8 @@ TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 131072, 262144, 524288, 
                  2097152)  # fmt: skip
 DRIFT_BUCKETS = (-4096, -1024, -256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256, 1024, 4096)
 DEFERRED_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 180, 300, 600)
+REDIS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1)  # fmt: skip
 QUEUE_SECONDS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 DEFERRED_OUTCOMES = ("first_token", "completed", "upstream_error", "timeout", "shutdown")
@@ -31,6 +33,7 @@ DISCONNECT_PHASES = ("before_headers", "before_first_token", "streaming")
 COUNT_METHODS = ("bound", "exact", "engine")
 # What TokenCounter.backend can be: the library that counts exactly, or the method.
 TOKENIZER_BACKENDS = ("fastokens", "hf", "tiktoken", "engine", "bytes")
+REDIS_UNAVAILABLE_POLICIES = ("local_share", "reject")
 
 
 class Metrics:
@@ -230,6 +233,46 @@ class Metrics:
             registry=r,
         )
 
+        # --- the cluster budget on Redis (budget_backend: redis) ----------------------------
+        self.budget_cluster_tokens = Gauge(
+            "kvproxy_budget_cluster_prompt_tokens",
+            "Prompt tokens held by every replica sharing the Redis budget, as last seen.",
+            registry=r,
+        )
+        self.budget_lease_renewals = Counter(
+            "kvproxy_budget_lease_renewals_total",
+            "Redis budget leases this replica renewed (its requests are still upstream).",
+            registry=r,
+        )
+        self.budget_lease_expiries = Counter(
+            "kvproxy_budget_lease_expiries_total",
+            "Expired Redis budget leases reclaimed (a replica died or lost Redis too long).",
+            registry=r,
+        )
+        self.budget_leases_reasserted = Counter(
+            "kvproxy_budget_leases_reasserted_total",
+            "Live leases put back after Redis had lost them (restart, long outage), or "
+            "local-share leases registered when Redis returned.",
+            registry=r,
+        )
+        self.budget_redis_rtt = Histogram(
+            "kvproxy_budget_redis_rtt_seconds",
+            "Round-trip time of the budget's Redis calls.",
+            buckets=REDIS_SECONDS,
+            registry=r,
+        )
+        self.budget_fallbacks = Counter(
+            "kvproxy_budget_backend_fallbacks_total",
+            "Switches to the redis_unavailable policy, by policy.",
+            ["policy"],
+            registry=r,
+        )
+        self.budget_degraded = Gauge(
+            "kvproxy_budget_backend_degraded",
+            "1 while Redis is unavailable and the redis_unavailable policy applies.",
+            registry=r,
+        )
+
         # --- isolation --------------------------------------------------------------------
         self.canary_violations = Counter(
             "kvproxy_canary_violations_total",
@@ -247,6 +290,8 @@ class Metrics:
             self.client_disconnects.labels(phase)
         for backend in TOKENIZER_BACKENDS:
             self.tokenizer_backend.labels(backend)
+        for policy in REDIS_UNAVAILABLE_POLICIES:
+            self.budget_fallbacks.labels(policy)
         for method in COUNT_METHODS:
             self.prompt_tokens.labels(method)
             self.admission_duration.labels(method)

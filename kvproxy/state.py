@@ -14,7 +14,7 @@ from kvproxy.metrics import Metrics
 from kvproxy.watch import DisconnectWatcher, LoopLagMonitor
 
 if TYPE_CHECKING:
-    from kvproxy.budget import InflightBudget
+    from kvproxy.budget import Budget
     from kvproxy.canary import CanaryRules
     from kvproxy.capacity import CapacityMonitor
     from kvproxy.tenants import TenantResolver
@@ -30,7 +30,7 @@ class ServerState:
     lag: LoopLagMonitor
     capacity: CapacityMonitor
     counter: TokenCounter
-    budget: InflightBudget
+    budget: Budget
     tenants: TenantResolver
     canaries: CanaryRules
     # Resolved when the shutdown grace period is over: deferred drains end as `shutdown`.

@@ -51,6 +51,9 @@ class PrefillRoom:
     decode_url: str | None = None
     inflight: set[asyncio.Task[Any]] = field(default_factory=set)
     pages: list[int] = field(default_factory=list)
+    # The prompt's tokens while prefill works on it (compute and transfer): ground truth
+    # for "prompt tokens in flight" (0 once given back).
+    held_tokens: int = 0
 
 
 class PrefillServer(EngineServer):
@@ -61,6 +64,33 @@ class PrefillServer(EngineServer):
         self._room_waiters: dict[int, asyncio.Event] = {}
         self.inflight_transfers = 0
         self.waiting_bootstrap = 0
+        # Prompt tokens of the requests prefill is working on, and the most ever at once
+        # since the last reset: what an in-flight budget in front of the engines must bound.
+        self.held_prompt_tokens = 0
+        self.peak_held_prompt_tokens = 0
+
+    def stats_json(self) -> dict[str, Any]:
+        data = super().stats_json()
+        data.update(
+            prompt_tokens_in_flight=self.held_prompt_tokens,
+            peak_prompt_tokens_in_flight=self.peak_held_prompt_tokens,
+        )
+        return data
+
+    async def _sim_reset(self, request: web.Request) -> web.Response:
+        self.peak_held_prompt_tokens = self.held_prompt_tokens
+        return await super()._sim_reset(request)
+
+    def _hold(self, state: PrefillRoom, tokens: int) -> None:
+        state.held_tokens = tokens
+        self.held_prompt_tokens += tokens
+        self.peak_held_prompt_tokens = max(self.peak_held_prompt_tokens, self.held_prompt_tokens)
+
+    def _give_back(self, state: PrefillRoom) -> None:
+        # Before decode is told the transfer is over: everything a proxy can see of this
+        # request's end (decode's first token, the response's end) comes after this.
+        self.held_prompt_tokens -= state.held_tokens
+        state.held_tokens = 0
 
     def add_routes(self, app: web.Application) -> None:
         super().add_routes(app)
@@ -91,6 +121,7 @@ class PrefillServer(EngineServer):
         waiter = self._room_waiters.pop(room, None)
         if waiter is not None:
             waiter.set()
+        self._hold(state, n)
         self.spawn(self._transfer(state))
         self.stats.prompt_tokens += len(compute_ids)
         resp: web.StreamResponse | None = None
@@ -159,6 +190,7 @@ class PrefillServer(EngineServer):
             state.error = f"KV transfer error: {type(exc).__name__}"
             outcome = "failed"
         finally:
+            self._give_back(state)
             if pages:
                 self.free_pages(pages, state.room)
             self.rooms.pop(state.room, None)
@@ -243,12 +275,14 @@ class PrefillServer(EngineServer):
             await self._send(decode_url, "ack", {"room": state.room})
             return "aborted"
         self.stats.transfers_completed += 1
+        self._give_back(state)
         await self._send(decode_url, "done", {"room": state.room, "status": "ok"})
         return "ok"
 
     async def _report_failure(
         self, state: PrefillRoom, decode_url: str, issued: asyncio.Task[Any]
     ) -> str:
+        self._give_back(state)
         self.stats.transfer_failures += 1
         if self.config.failed_send_as_drained:
             # The bug: the failure is reported as a drained, finished transfer.
