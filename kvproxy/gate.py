@@ -48,6 +48,8 @@ from kvproxy.isolation import (
     summary,
     token_ids,
 )
+from kvproxy.posture.gate import CHECK_NAME as POSTURE_CHECK
+from kvproxy.posture.gate import posture_check
 
 SCHEMA = "kvproxy.release-record/1"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "release_record.schema.json"
@@ -76,6 +78,9 @@ class GateOptions:
     model: str = "default"
     # The operator accepts deferrals that ended without a confirmed drain (kept in the record).
     accept_drain_timeouts: bool = False
+    # Engine posture (kvproxy.posture): the operator's advisories and accepted ids.
+    advisories_file: str | None = None
+    accept_advisories: tuple[str, ...] = ()
 
 
 @dataclass
@@ -95,6 +100,7 @@ class ReleaseRecord:
     isolation: dict[str, Any] | None
     passed: bool
     failed_checks: list[str]
+    posture: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -275,6 +281,8 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                         f"{m.role} input limit {m.input_limit_tokens:,} ({m.input_limit_source})",
                     )
                 )
+        ok, detail, posture = posture_check(measured, opts.advisories_file, opts.accept_advisories)
+        checks.append(Check(POSTURE_CHECK, ok, detail, {"blocking": posture["blocking"]}))
         # The safe value ignores the declared context: what the engines alone can take.
         safe = derive_limits(ok_m, max_context=None)
         limits = derive_limits(ok_m, max_context=opts.max_context)
@@ -353,6 +361,7 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
         isolation=isolation,
         passed=not failed and bool(ok_m),
         failed_checks=failed or ([] if ok_m else ["no engine measured"]),
+        posture=posture,
     )
 
 
@@ -488,6 +497,8 @@ def options_from(args: argparse.Namespace) -> GateOptions:
         out=Path(args.out) if args.out else None,
         model=args.model,
         accept_drain_timeouts=args.accept_drain_timeouts,
+        advisories_file=settings.advisories_file,
+        accept_advisories=settings.accept_advisories,
     )
 
 
