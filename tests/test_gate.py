@@ -24,6 +24,11 @@ from kvproxy.metrics import DEFERRED_OUTCOMES
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
 
+# The vulnerable simulator behind kvproxy: the operator accepts the engine's advisory
+# because the proxy stops what it describes (the posture gate itself: tests/posture/).
+BEHIND_KVPROXY = ("sglang-pd-pending-rejection-transfer",)
+
+
 def sim_options(**kw: Any) -> SimOptions:
     # A fixed engine version: these tests are about capacity and isolation; the posture
     # gate (which fails the demo's 0.5.21-sim) is tested in tests/posture/.
@@ -113,6 +118,7 @@ async def test_boundary_probes_through_kvproxy_and_directly(tmp_path: Path) -> N
                 proxy=proxy.public_url,
                 proxy_admin=proxy.admin_url,
                 sim=sim.router_url,
+                accept_advisories=BEHIND_KVPROXY,
             ),
             lambda _: None,
         )
@@ -148,6 +154,7 @@ async def test_canary_gate_passes_through_kvproxy_and_fails_direct(tmp_path: Pat
                 proxy=proxy.public_url,
                 proxy_admin=proxy.admin_url,
                 sim=sim.router_url,
+                accept_advisories=BEHIND_KVPROXY,
                 canary=True,
             ),
             lambda _: None,
