@@ -23,7 +23,6 @@ from kvproxy.gate_deferred import deferred_verdict
 from kvproxy.metrics import DEFERRED_OUTCOMES
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
-
 # The vulnerable simulator behind kvproxy: the operator accepts the engine's advisory
 # because the proxy stops what it describes (the posture gate itself: tests/posture/).
 BEHIND_KVPROXY = ("sglang-pd-pending-rejection-transfer",)

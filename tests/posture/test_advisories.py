@@ -75,9 +75,7 @@ def test_every_shipped_entry_has_a_source_and_matches_only_versions_before_its_f
 
 
 @pytest.mark.parametrize("missing", ["fixed_in", "source"])
-def test_an_entry_without_fixed_in_or_source_fails_validation(
-    tmp_path: Path, missing: str
-) -> None:
+def test_an_entry_without_fixed_in_or_source_fails_validation(tmp_path: Path, missing: str) -> None:
     bad = entry(**{missing: None})
     with pytest.raises(jsonschema.ValidationError):
         schema_validator().validate({"schema": "kvproxy.advisories/1", "advisories": [bad]})

@@ -79,7 +79,9 @@ def test_advisories_follow_version_and_backend(
 
 
 def test_a_unified_engine_is_not_affected_by_pd_advisories() -> None:
-    views = [EngineView("u", "unified", "sglang", read_posture(info(disaggregation_mode="null"), None))]
+    views = [
+        EngineView("u", "unified", "sglang", read_posture(info(disaggregation_mode="null"), None))
+    ]
     assert ids(views) == set()
 
 
