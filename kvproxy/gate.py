@@ -49,6 +49,7 @@ from kvproxy.isolation import (
     token_ids,
 )
 from kvproxy.posture.gate import CHECK_NAME as POSTURE_CHECK
+from kvproxy.posture.gate import markdown_lines as posture_markdown
 from kvproxy.posture.gate import posture_check
 
 SCHEMA = "kvproxy.release-record/1"
@@ -432,6 +433,7 @@ def markdown(record: ReleaseRecord) -> str:
     lines += ["", "## Checks", "", "| check | result | detail |", "|---|---|---|"]
     for c in record.checks:
         lines.append(f"| {c.name} | {'PASS' if c.passed else 'FAIL'} | {c.detail} |")
+    lines += posture_markdown(record.posture)
     if record.isolation:
         lines += ["", "## Isolation evidence", ""]
         for sc in record.isolation["scenarios"]:

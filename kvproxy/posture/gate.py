@@ -38,3 +38,26 @@ def posture_check(
     findings = evaluate(views, table)
     passed, detail = gate_verdict(findings)
     return passed, detail, posture_json(views, table, findings)
+
+
+def markdown_lines(posture: dict[str, Any] | None) -> list[str]:
+    """The release record's "Engine posture" section (Markdown)."""
+    if posture is None:
+        return []
+    lines = ["", "## Engine posture", "", "| engine | role | version | backend | KV checksum |"
+             " findings |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for e in posture["engines"]:
+        p = e["posture"] or {}
+        lines.append(
+            f"| {e['engine']} | {e['role']} | {p.get('version') or 'not observable'} | "
+            f"{p.get('transfer_backend') or 'not observable'} | "
+            f"{p.get('kv_checksum', 'not observable')} | {', '.join(e['findings']) or '-'} |"
+        )
+    lines.append("")
+    for f in posture["findings"]:
+        state = "ACCEPTED by the operator" if f["accepted"] else f"{f['severity']}, not accepted"
+        lines.append(f"- `{f['id']}` on {', '.join(f['engines'])} ({state}): {f['detail']}"
+                     + (f" — {f['source']}" if f["source"] else ""))  # fmt: skip
+    accepted = posture["advisories"]["accepted"]
+    lines.append(f"- accepted advisories: {', '.join(accepted) or 'none'}")
+    return lines

@@ -162,6 +162,10 @@ async def test_kvproxy_check_fails_on_the_demo_simulator_and_passes_when_fixed(
     assert failed["failed_checks"] == ["engine posture"]
     assert failed["posture"]["blocking"] == [PENDING]
     assert {e["posture"]["version"] for e in failed["posture"]["engines"]} == {"0.5.21-sim"}
+    md = (tmp_path / "a" / "release-record.md").read_text()
+    assert "## Engine posture" in md
+    assert f"`{PENDING}`" in md
+    assert "| 0.5.21-sim | mooncake | off |" in md
 
     assert rc_ok == 0, out_ok
     assert "RESULT: PASS" in out_ok
@@ -185,3 +189,5 @@ async def test_an_accepted_advisory_passes_the_gate_and_is_recorded(
     data = record(tmp_path / "r")
     assert data["posture"]["advisories"]["accepted"] == [PENDING]
     assert all(f["accepted"] for f in data["posture"]["findings"])
+    md = (tmp_path / "r" / "release-record.md").read_text()
+    assert f"- accepted advisories: {PENDING}" in md
