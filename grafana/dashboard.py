@@ -24,6 +24,7 @@ from grafana.model import (
     styled,
     zero_if_absent,
 )
+from grafana.posture_panels import POSTURE
 from grafana.promql import sel
 from grafana.rules import LOOP_LAG_SECONDS
 
@@ -603,4 +604,4 @@ HEALTH = Row(
     ),
 )
 
-ROWS: tuple[Row, ...] = (AT_A_GLANCE, CAPACITY, REJECTIONS, DISCONNECTS, ISOLATION, HEALTH)
+ROWS: tuple[Row, ...] = (AT_A_GLANCE, CAPACITY, REJECTIONS, DISCONNECTS, ISOLATION, POSTURE, HEALTH)

@@ -161,6 +161,45 @@ ALERTS: tuple[Alert, ...] = (
         "longer than the lease TTL) while its requests held budget. The budget healed; find "
         "out why the replica died.",
     ),
+    Alert(
+        "KvproxyEngineAdvisory",
+        "max by (job, instance, engine, advisory) (\n"
+        '  kvproxy_engine_advisory{advisory!="kv-checksum-one-sided"}\n'
+        ") == 1\n",
+        "warning",
+        "Engine {{ $labels.engine }} matches advisory {{ $labels.advisory }}",
+        "kvproxy {{ $labels.instance }} measured engine {{ $labels.engine }} at a version, "
+        "transfer backend and mode that advisory {{ $labels.advisory }} lists as affected, "
+        "and the operator has not accepted it. `kvproxy check` fails on it when its severity "
+        "is high. /capacity (posture.findings) names the fixed version and the source.",
+        hold="5m",
+    ),
+    Alert(
+        "KvproxyKvChecksumOneSided",
+        "max by (job, instance, engine) (\n"
+        '  kvproxy_engine_advisory{advisory="kv-checksum-one-sided"}\n'
+        ") == 1\n",
+        "warning",
+        "KV checksum enabled on one side only of {{ $labels.engine }}'s PD pair",
+        "Engine {{ $labels.engine }} is in a prefill/decode pair where "
+        "--disaggregation-enable-kv-checksum is on for one side only (kvproxy "
+        "{{ $labels.instance }}). The flag exists but the protection is not in effect: "
+        "transferred KV is not verified until both sides enable it.",
+        hold="5m",
+    ),
+    Alert(
+        "KvproxyEngineTransferFailures",
+        # The mirror of the engine's own counter: increase() also handles an engine restart.
+        "sum by (job, instance, engine, kind) (\n"
+        "  increase(kvproxy_engine_transfer_failures[10m])\n"
+        ") > 0\n",
+        "warning",
+        "Engine {{ $labels.engine }} reports {{ $labels.kind }} failures",
+        "Engine {{ $labels.engine }} counted about " + ROUNDED_VALUE + " KV {{ $labels.kind }} "
+        "failure(s) in the last 10 minutes (sglang:num_{{ $labels.kind }}_failed_reqs_total, "
+        "probed by kvproxy {{ $labels.instance }}). A KV checksum mismatch counts here too. "
+        "Failed transfers are where pages get freed or read while writes are in flight.",
+    ),
 )
 
 

@@ -183,6 +183,8 @@ class KvproxyServer:
             return _json({"ready": False, "reason": "shutting down"}, 503)
         if not state.capacity.ready():
             return _json({"ready": False, "reason": "capacity unknown"}, 503)
+        if state.capacity.posture.blocks_ready():
+            return _json({"ready": False, "reason": "engine posture (posture_action)"}, 503)
         return _json({"ready": True})
 
     async def _capacity(self, request: web.Request) -> web.Response:

@@ -116,6 +116,14 @@ class Settings(BaseSettings):
     # Explicit, operator-owned fallback used only while no measurement is fresh (I3).
     capacity_fallback_limit_tokens: int | None = Field(default=None, ge=1)
 
+    # --- engine posture (kvproxy.posture) ---------------------------------------------------
+    # The operator's own advisories (same schema as the shipped table), entries accepted by
+    # id (listed in /capacity, the release record and the start log), and whether an active
+    # unaccepted high-severity finding takes the proxy out of rotation (/readyz 503).
+    advisories_file: str | None = None
+    accept_advisories: tuple[str, ...] = ()
+    posture_action: Literal["warn", "not_ready"] = "warn"
+
     # --- tokens and admission ------------------------------------------------------------
     tokenizer: str = "bytes"
     chat_template: str | None = None
@@ -219,6 +227,9 @@ class Settings(BaseSettings):
             raise ValueError("capacity_stale_s must be >= capacity_refresh_s")
         if self.budget_backend == "redis" and self.redis_url is None:
             raise ValueError("budget_backend redis needs redis_url")
+        from kvproxy.posture.advisories import load_table  # imports nothing of config
+
+        load_table(self.advisories_file, self.accept_advisories)  # AdvisoryError: ValueError
         return self
 
     def redis_password_value(self) -> str | None:

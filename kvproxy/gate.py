@@ -49,6 +49,8 @@ from kvproxy.gate_probes import (
 )
 from kvproxy.gate_record import engine_table, markdown, write_record
 from kvproxy.isolation import CanaryOptions, run_isolation, summary
+from kvproxy.posture.gate import CHECK_NAME as POSTURE_CHECK
+from kvproxy.posture.gate import posture_check
 from kvproxy.probes import ModelUnknown, ProbeChoice
 
 __all__ = [
@@ -80,6 +82,9 @@ class GateOptions:
     probe_kind: ProbeChoice = "auto"
     # The operator accepts deferrals that ended without a confirmed drain (kept in the record).
     accept_drain_timeouts: bool = False
+    # Engine posture (kvproxy.posture): the operator's advisories and accepted ids.
+    advisories_file: str | None = None
+    accept_advisories: tuple[str, ...] = ()
 
 
 @dataclass
@@ -99,6 +104,7 @@ class ReleaseRecord:
     isolation: dict[str, Any] | None
     passed: bool
     failed_checks: list[str]
+    posture: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,6 +205,8 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                         f"{m.role} input limit {m.input_limit_tokens:,} ({m.input_limit_source})",
                     )
                 )
+        ok, detail, posture = posture_check(measured, opts.advisories_file, opts.accept_advisories)
+        checks.append(Check(POSTURE_CHECK, ok, detail, {"blocking": posture["blocking"]}))
         # The safe value ignores the declared context: what the engines alone can take.
         safe = derive_limits(ok_m, max_context=None)
         limits = derive_limits(ok_m, max_context=opts.max_context)
@@ -293,6 +301,7 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
         isolation=isolation,
         passed=not failed and bool(ok_m),
         failed_checks=failed or ([] if ok_m else ["no engine measured"]),
+        posture=posture,
     )
 
 
@@ -355,6 +364,8 @@ def options_from(args: argparse.Namespace) -> GateOptions:
         model=args.model,
         accept_drain_timeouts=args.accept_drain_timeouts,
         probe_kind=args.probe_kind,
+        advisories_file=settings.advisories_file,
+        accept_advisories=settings.accept_advisories,
     )
 
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from kvproxy.posture.gate import markdown_lines as posture_markdown
+
 if TYPE_CHECKING:
     from kvproxy.gate import ReleaseRecord
 
@@ -79,6 +81,7 @@ def markdown(record: ReleaseRecord) -> str:
     lines += ["", "## Checks", "", "| check | result | detail |", "|---|---|---|"]
     for c in record.checks:
         lines.append(f"| {c.name} | {'PASS' if c.passed else 'FAIL'} | {c.detail} |")
+    lines += posture_markdown(record.posture)
     if record.isolation:
         lines += ["", "## Isolation evidence", ""]
         for sc in record.isolation["scenarios"]:

@@ -146,6 +146,25 @@ class Metrics:
             registry=r,
         )
 
+        # --- engine posture (kvproxy.posture) ---------------------------------------------
+        # Labels: configured/discovered engines x advisory ids of the loaded table and the
+        # builtin pair checks (both bounded).
+        self.engine_advisory = Gauge(
+            "kvproxy_engine_advisory",
+            "1 while an advisory or pair check applies to the engine and is not accepted; "
+            "0 while it applies and the operator accepted it (accept_advisories).",
+            ["engine", "advisory"],
+            registry=r,
+        )
+        self.engine_transfer_failures = Gauge(
+            "kvproxy_engine_transfer_failures",
+            "The engine's own failure counter as last probed (kind=transfer: "
+            "sglang:num_transfer_failed_reqs_total, which a KV checksum mismatch increments; "
+            "kind=bootstrap: sglang:num_bootstrap_failed_reqs_total). Use increase().",
+            ["engine", "kind"],
+            registry=r,
+        )
+
         # --- admission --------------------------------------------------------------------
         self.rejections = Counter(
             "kvproxy_rejections_total",

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from hypothesis import settings
 from kvtest import FakeUpstream
+
+# CI (CI=true) runs every property test on a fixed sequence of examples, so a landing never
+# depends on which examples one run happened to draw; local runs keep exploring, and what
+# they find becomes a test of its own.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture

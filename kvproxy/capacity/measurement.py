@@ -11,7 +11,10 @@ Must never: hold a number without saying where it came from, or carry response b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from kvproxy.posture.engine import EnginePosture
 
 Role = Literal["prefill", "decode", "unified"]
 Kind = Literal["sglang", "vllm", "static"]
@@ -115,6 +118,9 @@ class EngineMeasurement:
     # shows both, so an absent field is never mistaken for a check that happened.
     fields_present: tuple[str, ...] = ()
     fields_absent: tuple[str, ...] = ()
+    # Version, transfer backend, KV checksum, failure counters (kvproxy.posture); None for
+    # engines whose reports carry none of it.
+    posture: EnginePosture | None = None
 
     @property
     def source(self) -> Source:
@@ -153,5 +159,6 @@ class EngineMeasurement:
             "warnings": list(self.warnings),
             "notes": list(self.notes),
             "fields": {"present": list(self.fields_present), "absent": list(self.fields_absent)},
+            "posture": self.posture.to_json() if self.posture is not None else None,
             "measured_at": self.measured_at,
         }

@@ -37,6 +37,7 @@ from kvproxy.capacity.measurement import EngineMeasurement, ProbeError, Role
 from kvproxy.capacity.probes import probe_engine
 from kvproxy.config import EngineSpec, Settings
 from kvproxy.metrics import Metrics
+from kvproxy.posture.tracker import PostureTracker
 
 log = logging.getLogger("kvproxy.capacity")
 
@@ -101,6 +102,7 @@ class CapacityMonitor:
         self._last_refresh_at: float | None = None
         self._next_refresh_mono: float | None = None
         metrics.declared_context.set(settings.max_context or 0)
+        self.posture = PostureTracker(settings, metrics)
         self._publish(self._limits)
 
     # --- lifecycle -------------------------------------------------------------------
@@ -171,6 +173,11 @@ class CapacityMonitor:
             states = list(self._engines.values())
             await asyncio.gather(*(self._probe(st) for st in states))
             self._refreshes += 1
+            self.posture.update(
+                (st.label, st.spec.role, st.spec.kind,
+                 st.measurement.posture if st.measurement is not None else None)
+                for st in self._engines.values()
+            )  # fmt: skip
             self._last_refresh_at = self._wall()
             self._recompute(self._clock())
             return self._limits
@@ -271,6 +278,7 @@ class CapacityMonitor:
         mx.pool_capacity.labels(m.engine, m.role, m.source).set(m.pool_tokens)
         mx.engine_input_limit.labels(m.engine, m.role, m.source).set(m.input_limit_tokens)
         mx.capacity_last_success.labels(m.engine).set(m.measured_at)
+        self.posture.observe_failures(m.engine, m.posture)
 
     def _forget(self, st: _EngineState) -> None:
         """An engine left discovery: drop its series so dashboards do not show ghosts."""
@@ -403,6 +411,7 @@ class CapacityMonitor:
             "last_refresh_at": self._last_refresh_at,
             "retry_after_s": self.retry_after_s(),
             "now": wall,
+            "posture": self.posture.snapshot_json(),
         }
 
 

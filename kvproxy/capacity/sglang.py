@@ -47,6 +47,7 @@ from kvproxy.capacity.reports import (
 )
 from kvproxy.capacity.sglang_args import read_server_args
 from kvproxy.config import EngineSpec
+from kvproxy.posture.engine import read_posture
 
 GAUGE_POOL = "sglang:max_total_num_tokens"
 GAUGE_CONTEXT = "sglang:context_len"
@@ -282,6 +283,7 @@ def measure_sglang(
         notes=tuple(found.notes),
         fields_present=tuple(args.present),
         fields_absent=tuple(args.absent),
+        posture=read_posture(server_info, metrics_text),
     )
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvproxy.sim.checksum import landed_digest
 from kvproxy.sim.engine import EngineServer
 from kvproxy.sim.limits import (
     EngineError,
@@ -146,15 +147,29 @@ class DecodeServer(EngineServer):
             message = await asyncio.shield(state.done)
         finally:
             self.inflight_transfers -= 1
-        if message.get("status") == "ok":
+        mismatch = message.get("status") == "ok" and self._checksum_mismatch(state, message)
+        if message.get("status") == "ok" and not mismatch:
             state.drained = True
             self.stats.transfers_completed += 1
             return None
         self.stats.transfer_failures += 1
-        # The fixed engine reports the failure and keeps the pages until prefill's ack.
+        # The fixed engine reports the failure and keeps the pages until prefill's ack; on
+        # a checksum mismatch prefill believes it finished, so decode asks it to abort.
         state.deferred = True
-        self.spawn(self._release_after_ack(state, ask=False))
+        self.spawn(self._release_after_ack(state, ask=mismatch))
         return EngineError(str(message.get("error") or "KV transfer failed."), 500)
+
+    def _checksum_mismatch(self, state: DecodeRoom, message: dict[str, Any]) -> bool:
+        """With the checksum on both sides, compare prefill's digest with what landed."""
+        digest = message.get("kv_checksum")
+        if not self.config.kv_checksum or not isinstance(digest, int):
+            return False
+        landed = landed_digest(self.pool, state.pages, int(message.get("kv_tokens", 0)))
+        if landed == digest:
+            return False
+        self.stats.checksum_mismatches += 1
+        message["error"] = f"KV checksum mismatch for bootstrap_room={state.room}; aborted."
+        return True
 
     async def _fail(
         self,

@@ -230,7 +230,8 @@ class EngineServer:
             "speculative_num_draft_tokens": c.speculative_num_draft_tokens,
             "allow_auto_truncate": c.allow_auto_truncate,
             "disaggregation_mode": c.role,
-            "disaggregation_transfer_backend": "mooncake",
+            "disaggregation_transfer_backend": c.transfer_backend,
+            "disaggregation_enable_kv_checksum": c.kv_checksum,
             "disaggregation_bootstrap_port": self.port,
             "num_reserved_decode_tokens": 512,
             "enable_metrics": True,
@@ -253,7 +254,7 @@ class EngineServer:
             "max_total_num_tokens": self.rank_pool_tokens,
             "max_req_input_len": self.limits.max_req_input_len,
             "internal_states": [state],
-            "version": SIM_VERSION,
+            "version": c.version or SIM_VERSION,
         }
 
     async def _server_info(self, request: web.Request) -> web.Response:

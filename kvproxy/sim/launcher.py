@@ -32,7 +32,7 @@ from kvproxy.sim.decode import DecodeServer
 from kvproxy.sim.engine import EngineServer
 from kvproxy.sim.prefill import PrefillServer
 from kvproxy.sim.router import PDRouter
-from kvproxy.sim.state import EngineConfig, Faults
+from kvproxy.sim.state import SIM_VERSION, EngineConfig, Faults
 
 Mode = Literal["vulnerable", "fixed"]
 SimRole = Literal["all", "prefill", "decode"]
@@ -77,6 +77,11 @@ class SimOptions:
     dcp_size: int = 1
     dp_size: int = 1
     kv_cache_size_label: bool = True
+    # Posture as /server_info reports it (SGLang flavour): the version string, the transfer
+    # backend, and --disaggregation-enable-kv-checksum on both engines (kvproxy.sim.checksum).
+    engine_version: str = SIM_VERSION
+    transfer_backend: Literal["mooncake", "nixl", "mori"] = "mooncake"
+    kv_checksum: bool = False
 
     def switch(self, name: str) -> bool:
         value = getattr(self, name)
@@ -167,6 +172,9 @@ class SimCluster:
             failed_send_as_drained=o.switch("failed_send_as_drained"),
             default_bootstrap_port=prefill_port,
             bootstrap_timeout_s=o.bootstrap_timeout_s,
+            version=o.engine_version,
+            transfer_backend=o.transfer_backend,
+            kv_checksum=o.kv_checksum,
         )
         return dataclasses.replace(base, **overrides)
 
@@ -289,6 +297,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.kv_cache_size_label,
         help="vLLM: export kv_cache_size_tokens (builds since PR #42206)",
+    )
+    a(
+        "--version",
+        dest="engine_version",
+        default=d.engine_version,
+        help="the SGLang version /server_info reports (reporting only: --mode decides "
+        "the behaviour)",
+    )
+    a("--transfer-backend", choices=["mooncake", "nixl", "mori"], default=d.transfer_backend)
+    a(
+        "--kv-checksum",
+        action=argparse.BooleanOptionalAction,
+        default=d.kv_checksum,
+        help="--disaggregation-enable-kv-checksum on both engines: a transfer whose landed KV "
+        "does not match prefill's digest is aborted and counted instead of read",
     )
 
 

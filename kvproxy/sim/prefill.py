@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvproxy.sim.checksum import kv_digest
 from kvproxy.sim.engine import EngineServer
 from kvproxy.sim.limits import EngineError, pool_refusal
 from kvproxy.sim.protocol import SSE_DONE, GenRequest, StreamShaper, full_reply, sse
@@ -266,7 +267,7 @@ class PrefillServer(EngineServer):
                 state.inflight.add(issued)
                 issued.add_done_callback(state.inflight.discard)
                 if fail:
-                    return await self._report_failure(state, decode_url, issued)
+                    return await self._report_failure(state, decode_url, issued, writes)
                 # Waiting for the batch's completion is not interruptible: it is on the wire.
                 await asyncio.shield(issued)
         finally:
@@ -276,17 +277,29 @@ class PrefillServer(EngineServer):
             return "aborted"
         self.stats.transfers_completed += 1
         self._give_back(state)
-        await self._send(decode_url, "done", {"room": state.room, "status": "ok"})
+        await self._send(decode_url, "done", self._done_ok(state, writes))
         return "ok"
 
+    def _done_ok(self, state: PrefillRoom, writes: list[list[Any]]) -> dict[str, Any]:
+        """The final "done"; with the KV checksum on it carries the digest of what was sent."""
+        done: dict[str, Any] = {"room": state.room, "status": "ok"}
+        if self.config.kv_checksum:
+            done["kv_checksum"] = kv_digest(t for _, tokens in writes for t in tokens)
+            done["kv_tokens"] = sum(len(tokens) for _, tokens in writes)
+        return done
+
     async def _report_failure(
-        self, state: PrefillRoom, decode_url: str, issued: asyncio.Task[Any]
+        self,
+        state: PrefillRoom,
+        decode_url: str,
+        issued: asyncio.Task[Any],
+        writes: list[list[Any]],
     ) -> str:
         self._give_back(state)
         self.stats.transfer_failures += 1
         if self.config.failed_send_as_drained:
             # The bug: the failure is reported as a drained, finished transfer.
-            await self._send(decode_url, "done", {"room": state.room, "status": "ok"})
+            await self._send(decode_url, "done", self._done_ok(state, writes))
             return "ok"
         state.error = (
             f"KV transfer failed for bootstrap_room={state.room}: injected transfer failure"

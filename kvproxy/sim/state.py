@@ -54,6 +54,11 @@ class EngineConfig:
     # Where a decode server finds prefill's bootstrap when the router sends port null.
     default_bootstrap_port: int = 8998
     bootstrap_timeout_s: float = 30.0
+    # Posture, as /server_info reports it: the version string (None: SIM_VERSION), the
+    # transfer backend, and SGLang's --disaggregation-enable-kv-checksum (kvproxy.sim.checksum).
+    version: str | None = None
+    transfer_backend: str = "mooncake"
+    kv_checksum: bool = False
 
 
 @dataclass
@@ -98,5 +103,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: int = 0
+    # Transfers decode refused because the landed KV did not match prefill's digest.
+    checksum_mismatches: int = 0
     # Requests whose max_new_tokens the scheduler silently lowered (SGLang's clamp).
     outputs_clamped: int = 0

@@ -116,6 +116,7 @@ def test_rows_the_issue_asks_for_in_on_call_order() -> None:
         "Rejections",
         "Disconnects and deferred cancellation",
         "Isolation",
+        "Engine posture",
         "Proxy health",
     ]
 

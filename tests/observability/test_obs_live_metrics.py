@@ -23,6 +23,10 @@ COMPLETIONS = "/v1/completions"
 FAULT_ONLY = {
     "kvproxy_capacity_probe_errors_total": "a capacity probe failed",
     "kvproxy_upstream_errors_total": "an upstream request failed",
+    # kvproxy.posture: series exist while a finding applies / once an SGLang engine's
+    # /metrics exported its failure counters (the fake engines here export none).
+    "kvproxy_engine_advisory": "an engine posture finding is active",
+    "kvproxy_engine_transfer_failures": "an SGLang engine exported its failure counters",
 }
 
 
