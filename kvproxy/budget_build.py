@@ -21,7 +21,8 @@ def build_budget(s: Settings, metrics: Metrics) -> Budget:
             metrics=metrics,
         )
     try:
-        from kvproxy.budget_redis import RedisBudget, RedisOptions, default_replica_id
+        from kvproxy.budget_redis import RedisBudget
+        from kvproxy.redis_client import RedisOptions, default_replica_id
     except ImportError as exc:  # the redis extra is not installed
         raise ConfigError(
             f"budget_backend redis needs the redis extra: pip install 'kvproxy[redis]' ({exc})"

@@ -36,29 +36,20 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import redis.asyncio as aioredis
-from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from kvproxy import errors
-from kvproxy.budget import MAX_RETRY_AFTER_S, InflightBudget, Lease
+from kvproxy.budget import MAX_RETRY_AFTER_S, InflightBudget
+from kvproxy.budget_redis_leases import FallbackLease, RedisLease
 from kvproxy.budget_scripts import ACQUIRE, LEAVE_QUEUE, RELEASE, RENEW, BudgetKeys
 from kvproxy.metrics import Metrics
+from kvproxy.redis_client import REDIS_DOWN, RedisDown, RedisOptions, make_client
 
 log = logging.getLogger("kvproxy.budget")
-
-# What "Redis is unavailable" means to us: any error of the client or the socket, and a
-# call that outlived its deadline. Script bugs (ResponseError) are RedisErrors too: failing
-# over to the policy is the safe reaction to those as well.
-REDIS_DOWN = (RedisError, OSError, TimeoutError)
 
 # A waiter that stops asking (its replica died) leaves the cluster queue after this long.
 WAITER_TTL_MS = 3000
@@ -70,71 +61,6 @@ PROBE_EVERY_S = 1.0
 # replicas may still be degraded, holding local-share leases Redis cannot see yet (they
 # register them when they notice Redis is back, within a probe interval or two).
 RECOVERY_GRACE_S = 3 * PROBE_EVERY_S
-
-
-@dataclass(frozen=True, slots=True)
-class RedisOptions:
-    url: str
-    password: str | None
-    ssl_ca_file: str | None
-    key_prefix: str
-    pool: str
-    lease_ttl_s: float
-    timeout_s: float
-    unavailable: Literal["local_share", "reject"]
-    expected_replicas: int
-    replica_id: str
-
-
-class RedisLease:
-    """A share of the cluster budget held under lease `id` in Redis."""
-
-    __slots__ = ("_budget", "id", "released", "tokens", "waited_s")
-
-    def __init__(self, budget: RedisBudget, lease_id: str, tokens: int, waited_s: float):
-        self._budget = budget
-        self.id = lease_id
-        self.tokens = tokens
-        self.waited_s = waited_s
-        self.released = False
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        self._budget._release(self)
-
-    def __repr__(self) -> str:
-        return f"<RedisLease {self.id} tokens={self.tokens} released={self.released}>"
-
-
-class _FallbackLease:
-    """A lease of the local share taken while Redis was down. When Redis returns while it is
-    still held, it is registered there too (`redis_id`), so the cluster budget counts it."""
-
-    __slots__ = ("_budget", "_inner", "redis_id")
-
-    def __init__(self, budget: RedisBudget, inner: Lease) -> None:
-        self._budget = budget
-        self._inner = inner
-        self.redis_id: str | None = None
-
-    @property
-    def tokens(self) -> int:
-        return self._inner.tokens
-
-    @property
-    def waited_s(self) -> float:
-        return self._inner.waited_s
-
-    @property
-    def released(self) -> bool:
-        return self._inner.released
-
-    def release(self) -> None:
-        if not self._inner.released:
-            self._inner.release()
-            self._budget._fallback_released(self)
 
 
 class RedisBudget:
@@ -157,7 +83,7 @@ class RedisBudget:
         self.options = options
         self._metrics = metrics
         self._keys = BudgetKeys.for_pool(options.key_prefix, options.pool)
-        self._client = client if client is not None else _client(options)
+        self._client = client if client is not None else make_client(options)
         self._acquire = self._client.register_script(ACQUIRE)
         self._leave = self._client.register_script(LEAVE_QUEUE)
         self._release_script = self._client.register_script(RELEASE)
@@ -165,7 +91,7 @@ class RedisBudget:
         self._ids = itertools.count(1)
         self._live: dict[str, int] = {}  # lease id -> tokens, for renewal
         self._unreleased: set[str] = set()  # releases Redis has not confirmed yet
-        self._fallback_held: set[_FallbackLease] = set()
+        self._fallback_held: set[FallbackLease] = set()
         self._share_until = 0.0  # monotonic time the post-outage share cap ends
         self._tokens = 0
         self._requests = 0
@@ -240,7 +166,7 @@ class RedisBudget:
         with contextlib.suppress(*REDIS_DOWN):
             await self._client.aclose()
 
-    async def acquire(self, tokens: int) -> RedisLease | _FallbackLease:
+    async def acquire(self, tokens: int) -> RedisLease | FallbackLease:
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         if self.max_tokens is not None and tokens > self.max_tokens:
@@ -284,7 +210,7 @@ class RedisBudget:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(left, RETRY_EVERY_S)):
                         await wake.wait()
-        except _RedisDown as down:
+        except RedisDown as down:
             self._enter_degraded(down.cause)
             self._background(self._forget(lease_id))
             return await self._degraded_acquire(tokens)
@@ -357,7 +283,7 @@ class RedisBudget:
                 )
             )
         except REDIS_DOWN as exc:
-            raise _RedisDown(exc) from exc
+            raise RedisDown(exc) from exc
         self._seen(int(used_t), int(used_r), int(expired))
         return bool(granted)
 
@@ -461,7 +387,7 @@ class RedisBudget:
 
     # --- bookkeeping ------------------------------------------------------------------------
 
-    async def _degraded_acquire(self, tokens: int) -> _FallbackLease:
+    async def _degraded_acquire(self, tokens: int) -> FallbackLease:
         if self.options.unavailable == "reject":
             raise errors.budget_unavailable(self._retry_after_s)
         share = self._fallback.max_tokens
@@ -473,7 +399,7 @@ class RedisBudget:
                 f"Redis is unavailable; this replica's share of {share:,} tokens is in use "
                 f"({self.tokens_in_use:,} held)",
             )
-        lease = _FallbackLease(self, await self._fallback.acquire(tokens))
+        lease = FallbackLease(self, await self._fallback.acquire(tokens))
         self._fallback_held.add(lease)
         self._publish()
         return lease
@@ -485,7 +411,7 @@ class RedisBudget:
             return False
         return self.tokens_in_use + tokens > share
 
-    def _fallback_released(self, lease: _FallbackLease) -> None:
+    def _fallback_released(self, lease: FallbackLease) -> None:
         self._fallback_held.discard(lease)
         if lease.redis_id is not None:
             self._live.pop(lease.redis_id, None)
@@ -539,32 +465,3 @@ class RedisBudget:
     def _publish(self) -> None:
         self._metrics.budget_tokens_in_use.set(self.tokens_in_use)
         self._metrics.queue_depth.set(self.queue_depth)
-
-
-class _RedisDown(Exception):
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(type(cause).__name__)
-        self.cause = cause
-
-
-def _client(o: RedisOptions) -> Any:
-    kwargs: dict[str, Any] = {
-        # Retries are ours (`RedisBudget._call`), under our deadline.
-        "retry": Retry(NoBackoff(), 0),
-        "socket_timeout": o.timeout_s,
-        "socket_connect_timeout": o.timeout_s,
-        "decode_responses": False,
-        "retry_on_timeout": False,
-    }
-    if o.password is not None:
-        kwargs["password"] = o.password
-    if o.ssl_ca_file is not None:
-        kwargs["ssl_ca_certs"] = o.ssl_ca_file
-    return aioredis.Redis.from_url(o.url, **kwargs)
-
-
-def default_replica_id() -> str:
-    """The pod name where Kubernetes gives one (HOSTNAME), plus the pid and a random tail,
-    so two processes of one pod never share lease ids."""
-    host = os.environ.get("HOSTNAME") or "kvproxy"
-    return f"{host}-{os.getpid()}-{os.urandom(3).hex()}"

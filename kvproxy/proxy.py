@@ -28,9 +28,10 @@ from kvproxy.body import content_coding, decode, forwarded_headers, read_raw
 from kvproxy.budget import charge_tokens
 from kvproxy.clamp import clamp_output
 from kvproxy.errors import ErrorStyle, KvproxyError, error_response
+from kvproxy.headers import filter_headers
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
 from kvproxy.prompt import PromptShape, Route, parse_request
-from kvproxy.relay import Exchange, filter_headers
+from kvproxy.relay import Exchange
 from kvproxy.routes import RouteMatch, route_table
 from kvproxy.state import ServerState
 

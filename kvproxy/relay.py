@@ -26,12 +26,13 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from kvproxy import drain, errors
 from kvproxy.canary import CanaryHit, CanaryScanner
 from kvproxy.errors import ErrorStyle, KvproxyError
 from kvproxy.guard import StreamGuard
+from kvproxy.headers import filter_headers
 from kvproxy.logs import AccessRecord, log_event
 from kvproxy.output import read_payload
 from kvproxy.sse import SSEError
@@ -39,37 +40,9 @@ from kvproxy.state import ServerState
 
 log = logging.getLogger("kvproxy.relay")
 
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Connection",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "Host",
-        "Content-Length",
-    )
-)
 # A non-streaming body is kept (up to this size) to read usage and scan for canaries.
 KEEP_BODY_BYTES = 8 * 1024 * 1024
 LARGE_BODY_BYTES = 1024 * 1024
-
-
-def filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
-    """Drop hop-by-hop headers, including those the Connection header names."""
-    named = {tok.strip().lower() for v in headers.getall("Connection", []) for tok in v.split(",")}
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in headers.items():
-        lk = k.lower()
-        if lk in HOP_BY_HOP or lk in named:
-            continue
-        out.add(k, v)
-    return out
 
 
 @dataclass

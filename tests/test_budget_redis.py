@@ -22,11 +22,12 @@ import pytest
 import redis.asyncio as aioredis
 from redis_server import RedisServer, needs_redis, redis_server
 
-from kvproxy.budget_redis import RedisBudget, RedisOptions
+from kvproxy.budget_redis import RedisBudget
 from kvproxy.budget_scripts import BudgetKeys
 from kvproxy.config import ConfigError, load_settings
 from kvproxy.errors import KvproxyError
 from kvproxy.metrics import Metrics
+from kvproxy.redis_client import RedisOptions
 
 pytestmark = needs_redis
 

@@ -382,11 +382,9 @@ class EngineServer:
                 ),
             },
             running=len(self.running),
-            # Writes on the wire that have not landed: a test waits for 0 instead of sleeping
-            # for the longest transfer, so a loaded machine cannot make it read too early.
+            # Writes not landed yet, and work outliving its request (transfers, sends,
+            # landings, deferred releases): a test waits for them instead of sleeping.
             writes_in_flight=sum(self.pool.pending_writes),
-            # Work that outlives its HTTP request (prefill's transfers and sends, decode's
-            # landings and deferred releases): while prefill has any, it may still write.
             background_tasks=len(self._background),
             faults=asdict(self.faults),
         )

@@ -1,0 +1,61 @@
+"""The budget's Redis connection: what it is configured with, how the client is built, and
+what counts as "Redis is unavailable". No budget logic (that is `budget_redis`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+# What "Redis is unavailable" means to us: any error of the client or the socket, and a
+# call that outlived its deadline. Script bugs (ResponseError) are RedisErrors too: failing
+# over to the policy is the safe reaction to those as well.
+REDIS_DOWN = (RedisError, OSError, TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisOptions:
+    url: str
+    password: str | None
+    ssl_ca_file: str | None
+    key_prefix: str
+    pool: str
+    lease_ttl_s: float
+    timeout_s: float
+    unavailable: Literal["local_share", "reject"]
+    expected_replicas: int
+    replica_id: str
+
+
+class RedisDown(Exception):
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(type(cause).__name__)
+        self.cause = cause
+
+
+def make_client(o: RedisOptions) -> Any:
+    kwargs: dict[str, Any] = {
+        # Retries are ours (`RedisBudget._call`), under our deadline.
+        "retry": Retry(NoBackoff(), 0),
+        "socket_timeout": o.timeout_s,
+        "socket_connect_timeout": o.timeout_s,
+        "decode_responses": False,
+        "retry_on_timeout": False,
+    }
+    if o.password is not None:
+        kwargs["password"] = o.password
+    if o.ssl_ca_file is not None:
+        kwargs["ssl_ca_certs"] = o.ssl_ca_file
+    return aioredis.Redis.from_url(o.url, **kwargs)
+
+
+def default_replica_id() -> str:
+    """The pod name where Kubernetes gives one (HOSTNAME), plus the pid and a random tail,
+    so two processes of one pod never share lease ids."""
+    host = os.environ.get("HOSTNAME") or "kvproxy"
+    return f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
