@@ -22,6 +22,7 @@ import orjson
 import pytest
 from obs_prometheus import PrometheusServer, finite_values
 from obs_support import PROMETHEUS, REPO, needs_prometheus
+from redis_server import needs_redis, redis_server
 
 from grafana import dashboard, rules
 from grafana.model import RATE
@@ -198,7 +199,16 @@ async def synced(prom: PrometheusServer, proxy: KvproxyServer, http: aiohttp.Cli
 
 @pytest.mark.slow
 @needs_prometheus
+@needs_redis
 async def test_every_dashboard_query_returns_data(tmp_path: Path) -> None:
+    assert PROMETHEUS is not None
+    # The budget is held in a real redis-server, so its panels (round trips, renewals) have
+    # data too; the local budget's panels read the same replica gauges either way.
+    async with redis_server(tmp_path) as redis:
+        await _every_dashboard_query_returns_data(tmp_path, redis.url)
+
+
+async def _every_dashboard_query_returns_data(tmp_path: Path, redis_url: str) -> None:
     assert PROMETHEUS is not None
     sim = SimCluster(SimOptions(port=0, mode="vulnerable", prefill_us_per_token=300.0))
     proxy: KvproxyServer | None = None
@@ -226,6 +236,9 @@ async def test_every_dashboard_query_returns_data(tmp_path: Path) -> None:
                 capacity_stale_s=30.0,
                 drain_timeout_s=0.3,
                 max_inflight_prompt_tokens=100_000,
+                budget_backend="redis",
+                redis_url=redis_url,
+                redis_lease_ttl_s=3.0,
                 canaries=[
                     {"tenant": "acme", "markers": ["KVCANARY-acme-7f3a"]},
                     {"tenant": "globex", "markers": ["KVCANARY-globex-91c2"]},
