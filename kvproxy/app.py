@@ -90,14 +90,16 @@ class KvproxyServer:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
-        capacity = CapacityMonitor(s, self.metrics)
         try:
-            counter = self._counter or build_counter(s, capacity=capacity, session=session)
+            counter = self._counter or build_counter(s, session=session)
         except BaseException:
             # A tokenizer that cannot be loaded (a missing extra, a bad path) ends the start
             # with one line; the session made above must not leak an "Unclosed" warning too.
             await session.close()
             raise
+        # After the counter: a start that fails on the tokenizer says only that, not the
+        # posture line the monitor logs when it is built.
+        capacity = CapacityMonitor(s, self.metrics)
         self._state = state = ServerState(
             settings=s,
             metrics=self.metrics,
