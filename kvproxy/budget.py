@@ -55,6 +55,12 @@ def charge_tokens(total_prompt_tokens: int, n: int) -> int:
     return total_prompt_tokens * max(n, 1)
 
 
+def retry_after_s(queue_timeout_s: float) -> int:
+    """The Retry-After a 429 (or a 503 of the Redis budget) carries: the queue timeout is the
+    time scale on which room appears, capped by MAX_RETRY_AFTER_S."""
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(queue_timeout_s)))
+
+
 class Lease:
     """A share of the budget. `release()` is idempotent; `with lease:` releases on exit."""
 
@@ -122,7 +128,7 @@ class InflightBudget:
         self._tokens = 0
         self._requests = 0
         self._waiters: deque[_Waiter] = deque()
-        self._retry_after_s = max(1, min(MAX_RETRY_AFTER_S, math.ceil(queue_timeout_s)))
+        self._retry_after_s = retry_after_s(queue_timeout_s)
         metrics.budget_tokens_limit.set(max_tokens or 0)
         self._publish()
 

@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -43,7 +42,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvproxy import errors
-from kvproxy.budget import MAX_RETRY_AFTER_S, InflightBudget
+from kvproxy.budget import InflightBudget, retry_after_s
 from kvproxy.budget_redis_leases import FallbackLease, RedisLease
 from kvproxy.budget_scripts import ACQUIRE, LEAVE_QUEUE, RELEASE, RENEW, BudgetKeys
 from kvproxy.metrics import Metrics
@@ -114,7 +113,7 @@ class RedisBudget:
             queue_max_waiters=queue_max_waiters,
             metrics=Metrics(),  # its own, unexported: this budget publishes the totals
         )
-        self._retry_after_s = max(1, min(MAX_RETRY_AFTER_S, math.ceil(queue_timeout_s)))
+        self._retry_after_s = retry_after_s(queue_timeout_s)
         metrics.budget_tokens_limit.set(max_tokens or 0)
         metrics.budget_degraded.set(0)
         self._publish()
