@@ -146,3 +146,11 @@ async def sim_and_proxy(
         )
         async with running_proxy(sim.router_url, **overrides) as proxy:
             yield sim, proxy
+
+
+def content_with_tokens(count: Callable[[str], int], target: int, base: str) -> str:
+    """`base` padded to exactly `target` tokens by `count` (the simulator's own counter):
+    Qwen's pre-tokenizer splits digits one by one, so each "1" adds exactly one token."""
+    content = base + "1" * (target - count(base))
+    assert count(content) == target
+    return content

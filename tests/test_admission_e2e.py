@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from kvtest import sim_and_proxy, wait_until
+from kvtest import content_with_tokens, sim_and_proxy, wait_until
 
 from kvproxy.sim.tokenizer import ChatRenderer, load_tokenizer
 from kvproxy.tokens.testing import real_tokenizer_dir
@@ -31,14 +31,6 @@ def oracle(model_dir: str) -> Callable[[str], int]:
         return len(tok.encode(text, add_special_tokens=False))
 
     return count
-
-
-def content_of(count: Callable[[str], int], target: int) -> str:
-    # Qwen's pre-tokenizer splits digits one by one: each "1" adds exactly one token.
-    base = "Summarise the following numbers for tenant A. "
-    content = base + "1" * (target - count(base))
-    assert count(content) == target
-    return content
 
 
 async def stats(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -67,7 +59,14 @@ async def test_limit_minus_one_and_limit_admitted_limit_plus_one_rejected(
             body = {
                 "model": "m",
                 "max_tokens": 1,
-                "messages": [{"role": "user", "content": content_of(count, target)}],
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": content_with_tokens(
+                            count, target, "Summarise the following numbers for tenant A. "
+                        ),
+                    }
+                ],
             }
             before = routed(await stats(http, sim.router_url))
             async with http.post(proxy.public_url + CHAT, data=orjson.dumps(body)) as resp:

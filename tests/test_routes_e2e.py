@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from kvtest import sim_and_proxy, wait_until
+from kvtest import content_with_tokens, sim_and_proxy, wait_until
 
 from kvproxy.sim.tokenizer import ChatRenderer, load_tokenizer
 from kvproxy.tokens.testing import real_tokenizer_dir
@@ -31,14 +31,6 @@ def oracle(model_dir: str) -> Callable[[str], int]:
         return len(tok.encode(renderer.render(messages), add_special_tokens=False))
 
     return count
-
-
-def content_of(count: Callable[[str], int], target: int) -> str:
-    # Qwen's pre-tokenizer splits digits one by one: each "1" adds exactly one token.
-    base = "Summarise the following numbers. "
-    content = base + "1" * (target - count(base))
-    assert count(content) == target
-    return content
 
 
 def responses_body(content: str) -> dict[str, Any]:
@@ -82,7 +74,9 @@ async def test_limit_minus_one_and_limit_admitted_limit_plus_one_rejected(
         results = {}
         for target in (LIMIT - 1, LIMIT, LIMIT + 1):
             before = await routed(http, sim.router_url)
-            body = orjson.dumps(build(content_of(count, target)))
+            body = orjson.dumps(
+                build(content_with_tokens(count, target, "Summarise the following numbers. "))
+            )
             async with http.post(proxy.public_url + path, data=body) as resp:
                 results[target] = (resp.status, dict(resp.headers), await resp.json())
             after = await routed(http, sim.router_url)
