@@ -1,4 +1,9 @@
-"""Error bodies and the one map from exceptions to kvproxy outcomes.
+"""The error vocabulary: every outcome kvproxy answers itself, its status, code and body.
+
+Pure data and functions (no aiohttp, no asyncio): admission, the parsers, the counter and
+the drain machine build outcomes from here without importing I/O. Turning a network
+exception into an outcome is `kvproxy.netio.network_boundary` (the one exception seam);
+turning an outcome into an aiohttp response is `kvproxy.replies.error_response`.
 
 Tree of what a request can end in, besides a relayed upstream response:
 
@@ -15,7 +20,7 @@ Tree of what a request can end in, besides a relayed upstream response:
     │   ├── over_budget               429   inflight_budget_exceeded    over_budget
     │   ├── method_not_allowed        405   method_not_allowed          method_not_allowed
     │   └── route_not_found           404   route_not_found             route_not_found
-    └── upstream failures (map_upstream_exception)
+    └── upstream failures (UpstreamFailure, raised by kvproxy.netio.network_boundary)
         ├── upstream_unreachable      502   upstream_unreachable
         ├── upstream_reset            502   upstream_reset
         ├── upstream_timeout          504   upstream_timeout
@@ -31,13 +36,10 @@ completion text (I8).
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-import aiohttp
 import orjson
-from aiohttp import web
 
 ErrorStyle = Literal["openai", "sglang"]
 # The error shape a client of each route expects; a new route whose clients expect another
@@ -54,22 +56,6 @@ STYLE_BY_ROUTE: dict[str, ErrorStyle] = {
 def error_style(route: str | None) -> ErrorStyle:
     """The error shape for a request on `route` (None: not an inference route)."""
     return STYLE_BY_ROUTE.get(route or "", "openai")
-
-
-REJECTION_REASONS = (
-    "context_length",
-    "decode_budget",
-    "invalid_request",
-    "body_too_large",
-    "content_encoding",
-    "body_read_timeout",
-    "capacity_unknown",
-    "count_unavailable",
-    "over_budget",
-    "budget_unavailable",
-    "method_not_allowed",
-    "route_not_found",
-)
 
 
 @dataclass(frozen=True)
@@ -92,10 +78,6 @@ class KvproxyError(Exception):
         if style == "sglang":
             return sglang_error_body(self.message, self.status, self.code, self.extra)
         return openai_error_body(self.message, self.type, self.param, self.code, self.extra)
-
-    @property
-    def is_rejection(self) -> bool:
-        return self.reason in REJECTION_REASONS
 
 
 def openai_error_body(
@@ -133,23 +115,6 @@ def sse_error_event(err: KvproxyError, style: ErrorStyle) -> bytes:
     """An error event to end a stream that already sent headers (canary block, upstream cut).
     The relay forwards whole events only, so the client's stream is at an event boundary."""
     return b"data: " + err.body(style) + b"\n\ndata: [DONE]\n\n"
-
-
-def error_response(
-    err: KvproxyError, extra_headers: dict[str, str] | None, style: ErrorStyle
-) -> web.Response:
-    """The response for an outcome kvproxy answers itself, in the route's `style` (no
-    default: every caller says which, from `error_style`)."""
-    headers = dict(extra_headers or {})
-    headers.update(err.headers)
-    resp = web.Response(
-        status=err.status, body=err.body(style), content_type="application/json", headers=headers
-    )
-    if headers.get("Connection", "").lower() == "close":
-        # The header alone does not make aiohttp close: it would keep the connection and,
-        # after a 408, linger up to 10 s reading the rest of a slow client's body.
-        resp.force_close()
-    return resp
 
 
 # --- constructors: the one definition of each outcome ------------------------------------
@@ -328,36 +293,44 @@ def internal_error() -> KvproxyError:
     )
 
 
-def _upstream(status: int, code: str, message: str) -> KvproxyError:
-    return KvproxyError(status=status, code=code, reason=code, type="server_error", message=message)
+# What a network failure on an outgoing leg (the router, an engine probe, the gate's own
+# requests) was, as `kvproxy.netio.network_boundary` classifies it.
+NetworkKind = Literal["timeout", "dns", "connect", "reset", "protocol"]
+
+# kind -> (status, code, message): one status, one body and one metric label per outcome.
+_UPSTREAM: dict[NetworkKind, tuple[int, str, str]] = {
+    "timeout": (504, "upstream_timeout", "the router did not answer in time"),
+    "dns": (502, "upstream_unreachable", "the router's host name did not resolve"),
+    "connect": (502, "upstream_unreachable", "the router is unreachable"),
+    "reset": (502, "upstream_reset", "the router closed the connection"),
+    "protocol": (502, "upstream_bad_response", "the router sent a malformed response"),
+}
+
+UPSTREAM_OUTCOMES = tuple(dict.fromkeys(code for _, code, _ in _UPSTREAM.values()))
 
 
-def upstream_bad_response(detail: str) -> KvproxyError:
-    return _upstream(
-        502, "upstream_bad_response", f"the router sent a malformed response ({detail})"
+@dataclass(frozen=True)
+class UpstreamFailure(KvproxyError):
+    """A failed outgoing leg. `kind` is the classification; `cause` the exception's type
+    name (never its message, which could quote a URL or a body)."""
+
+    kind: NetworkKind = "protocol"
+    cause: str = ""
+
+
+def upstream_failure(kind: NetworkKind, cause: str = "") -> UpstreamFailure:
+    status, code, message = _UPSTREAM[kind]
+    return UpstreamFailure(
+        status=status,
+        code=code,
+        reason=code,
+        type="server_error",
+        message=message,
+        kind=kind,
+        cause=cause,
     )
 
 
-def map_upstream_exception(exc: BaseException) -> KvproxyError:
-    """The one place that turns aiohttp/OS exceptions from the upstream leg into outcomes."""
-    if isinstance(exc, KvproxyError):
-        return exc
-    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
-        return _upstream(504, "upstream_timeout", "the router did not answer in time")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return _upstream(502, "upstream_unreachable", "the router is unreachable")
-    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionError)):
-        return _upstream(502, "upstream_reset", "the router closed the connection")
-    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ClientResponseError)):
-        return _upstream(502, "upstream_bad_response", "the router sent a malformed response")
-    if isinstance(exc, aiohttp.ClientError):
-        return _upstream(502, "upstream_bad_response", f"upstream error: {type(exc).__name__}")
-    raise exc
-
-
-UPSTREAM_OUTCOMES = (
-    "upstream_timeout",
-    "upstream_unreachable",
-    "upstream_reset",
-    "upstream_bad_response",
-)
+def upstream_bad_response(detail: str) -> UpstreamFailure:
+    message = f"the router sent a malformed response ({detail})"
+    return replace(upstream_failure("protocol", detail), message=message)

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvproxy.metrics import DEFERRED_OUTCOMES
+from kvproxy.drain import DEFERRED_OUTCOMES
 
 # Outcomes where kvproxy stopped waiting before the drain was confirmed (see drain.py).
 UNCONFIRMED_OUTCOMES = ("timeout", "shutdown")
@@ -41,7 +41,7 @@ async def deferred_counts(http: aiohttp.ClientSession, admin: str) -> dict[str, 
             text = await resp.text()
     except (TimeoutError, aiohttp.ClientError):
         return None
-    counts = dict.fromkeys(DEFERRED_OUTCOMES, 0.0)
+    counts: dict[str, float] = dict.fromkeys(DEFERRED_OUTCOMES, 0.0)
     limit = None
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

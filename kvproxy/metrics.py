@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvproxy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
+
 # Seconds: a 1M-token prefill can take minutes; default buckets stop at 10 s.
 LONG_SECONDS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280,
@@ -28,8 +30,6 @@ REDIS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
                  0.5, 1)  # fmt: skip
 QUEUE_SECONDS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
-DEFERRED_OUTCOMES = ("first_token", "completed", "upstream_error", "timeout", "shutdown")
-DISCONNECT_PHASES = ("before_headers", "before_first_token", "streaming")
 COUNT_METHODS = ("bound", "exact", "engine")
 # What TokenCounter.backend can be: the library that counts exactly, or the method.
 TOKENIZER_BACKENDS = ("fastokens", "hf", "tiktoken", "engine", "bytes")

@@ -27,11 +27,12 @@ from kvproxy import admission, errors
 from kvproxy.body import content_coding, decode, forwarded_headers, read_raw
 from kvproxy.budget import charge_tokens
 from kvproxy.clamp import clamp_output
-from kvproxy.errors import ErrorStyle, KvproxyError, error_response
+from kvproxy.errors import ErrorStyle, KvproxyError
 from kvproxy.headers import filter_headers
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
 from kvproxy.prompt import PromptShape, Route, parse_request
 from kvproxy.relay import Exchange
+from kvproxy.replies import client_gone, client_gone_response, error_response
 from kvproxy.routes import RouteMatch, route_table
 from kvproxy.state import ServerState
 
@@ -72,7 +73,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         elif rec.status == 0:
             rec.status = 499 if rec.client_disconnect else 200
         state.metrics.responses_total.labels(rec.route, str(rec.status)).inc()
-        return resp if resp is not None else _client_gone_response()
+        return resp if resp is not None else client_gone_response()
     finally:
         rec.finish()
         state.metrics.request_duration.labels(rec.route).observe(rec.duration_s)
@@ -80,14 +81,6 @@ async def handle(request: web.Request) -> web.StreamResponse:
         if state.settings.access_log:
             rec.emit(access_log)
         state.leave()
-
-
-def _client_gone_response() -> web.StreamResponse:
-    # aiohttp requires a return value; the client left before a response was started, so
-    # this one is never written (its connection is gone).
-    resp = web.Response(status=499)
-    resp.force_close()
-    return resp
 
 
 async def _handle(
@@ -172,7 +165,7 @@ async def _handle(
         except KvproxyError as err:
             return _reject(state, rec, err, style, extra)
         rec.decision = "admitted"
-        if _client_gone(request):
+        if client_gone(request):
             # It left while being counted or queued: nothing was sent, so nothing to defer.
             lease.release()
             rec.decision = "abandoned"
@@ -215,11 +208,6 @@ async def _handle(
     # A streamed response must be handed back to aiohttp itself: returning any other object
     # would make it write a second status line onto the same keep-alive connection.
     return resp if resp is not None else exchange.client
-
-
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
 
 
 async def _admit(

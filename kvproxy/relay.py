@@ -30,11 +30,13 @@ from multidict import CIMultiDict
 
 from kvproxy import drain, errors
 from kvproxy.canary import CanaryHit, CanaryScanner
-from kvproxy.errors import ErrorStyle, KvproxyError
+from kvproxy.errors import ErrorStyle, KvproxyError, UpstreamFailure
 from kvproxy.guard import StreamGuard
 from kvproxy.headers import filter_headers
 from kvproxy.logs import AccessRecord, log_event
+from kvproxy.netio import network_boundary
 from kvproxy.output import read_payload
+from kvproxy.replies import error_response
 from kvproxy.sse import SSEError
 from kvproxy.state import ServerState
 
@@ -183,9 +185,10 @@ class Exchange:
     ) -> aiohttp.ClientResponse | web.StreamResponse | None:
         while True:
             try:
-                got = await self._wait(send)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                return self._upstream_failed(exc)
+                with network_boundary():
+                    got = await self._wait(send)
+            except UpstreamFailure as err:
+                return self._upstream_failed(err)
             if isinstance(got, _Signal):
                 decision = self._signal(got)
                 if isinstance(decision, drain.CloseUpstream):
@@ -205,14 +208,13 @@ class Exchange:
             return None
         return resp
 
-    def _upstream_failed(self, exc: BaseException) -> web.StreamResponse | None:
-        err = errors.map_upstream_exception(exc)
+    def _upstream_failed(self, err: KvproxyError) -> web.StreamResponse | None:
         self.record.upstream_outcome = err.code
         self.state.metrics.upstream_errors.labels(err.code).inc()
         self.machine.handle(drain.UpstreamError(now=time.monotonic()))
         if self.gone_seen:
             return None
-        return errors.error_response(err, self.extra_headers, self.style)
+        return error_response(err, self.extra_headers, self.style)
 
     async def _start_client(self, up: aiohttp.ClientResponse) -> web.StreamResponse:
         headers = filter_headers(up.headers)
@@ -246,28 +248,29 @@ class Exchange:
         while True:
             fast = got_first and not self.gone_seen and (self.token_seen or not self.streaming)
             try:
-                if fast:
-                    chunk = await up.content.readany()
-                elif buffered := up.content.read_nowait():
-                    # Already here (a small response arrives with its headers): no wait, so
-                    # nothing to race and no task to spend.
-                    chunk = buffered
-                else:
-                    read = asyncio.ensure_future(up.content.readany())
-                    try:
-                        got = await self._wait(read)
-                    finally:
-                        if not read.done():
-                            read.cancel()
-                            with contextlib.suppress(BaseException):
-                                await read
-                    if isinstance(got, _Signal):
-                        if isinstance(self._signal(got), drain.CloseUpstream):
-                            return None
-                        continue
-                    chunk = got
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                return await self._fail_midway(errors.map_upstream_exception(exc))
+                with network_boundary():
+                    if fast:
+                        chunk = await up.content.readany()
+                    elif buffered := up.content.read_nowait():
+                        # Already here (a small response arrives with its headers): no wait, so
+                        # nothing to race and no task to spend.
+                        chunk = buffered
+                    else:
+                        read = asyncio.ensure_future(up.content.readany())
+                        try:
+                            got = await self._wait(read)
+                        finally:
+                            if not read.done():
+                                read.cancel()
+                                with contextlib.suppress(BaseException):
+                                    await read
+                        if isinstance(got, _Signal):
+                            if isinstance(self._signal(got), drain.CloseUpstream):
+                                return None
+                            continue
+                        chunk = got
+            except UpstreamFailure as err:
+                return await self._fail_midway(err)
             now = time.monotonic()
             if not chunk:
                 if self.guard is not None and (rest := self.guard.finish()):
@@ -420,7 +423,7 @@ class Exchange:
         if self.client is not None:
             await self._end_stream_with_error(err)
             return None
-        return errors.error_response(err, self.extra_headers, self.style)
+        return error_response(err, self.extra_headers, self.style)
 
     async def _end_stream_with_error(self, err: KvproxyError) -> None:
         assert self.client is not None

@@ -16,6 +16,8 @@ import orjson
 import pytest
 
 from kvproxy.drain import (
+    DEFERRED_OUTCOMES,
+    DISCONNECT_PHASES,
     ClientGone,
     CloseUpstream,
     Deadline,
@@ -36,7 +38,6 @@ from kvproxy.drain import (
     UpstreamHeaders,
 )
 from kvproxy.guard import StreamGuard
-from kvproxy.metrics import DEFERRED_OUTCOMES, DISCONNECT_PHASES
 
 TIMEOUT_S = 100.0
 CONFIGS = [

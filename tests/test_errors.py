@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 
 from kvproxy import errors
+from kvproxy.replies import error_response
 
 
 def test_the_route_decides_the_shape_and_openai_is_the_default() -> None:
@@ -20,7 +21,7 @@ def test_every_outcome_has_both_shapes_and_the_stream_event_follows_the_style() 
     assert flat["kvproxy_code"] == "upstream_bad_response"
     nested = orjson.loads(errors.sse_error_event(err, "openai").split(b"\n\n")[0][6:])
     assert nested["error"]["code"] == "upstream_bad_response"
-    resp = errors.error_response(errors.canary_violation(), {"X-Request-ID": "r"}, "sglang")
+    resp = error_response(errors.canary_violation(), {"X-Request-ID": "r"}, "sglang")
     assert resp.status == 502
     assert resp.body is not None
     assert orjson.loads(bytes(resp.body))["kvproxy_code"] == "canary_violation"

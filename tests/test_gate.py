@@ -18,9 +18,9 @@ from kvtest import FakeUpstream, canary_settings, running_proxy, sim_and_proxy, 
 
 from kvproxy.app import KvproxyServer
 from kvproxy.config import EngineSpec
+from kvproxy.drain import DEFERRED_OUTCOMES
 from kvproxy.gate import SCHEMA_PATH, GateOptions, markdown, run_gate, write_record
 from kvproxy.gate_deferred import deferred_verdict
-from kvproxy.metrics import DEFERRED_OUTCOMES
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
 # The vulnerable simulator behind kvproxy: the operator accepts the engine's advisory

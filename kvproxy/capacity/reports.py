@@ -1,7 +1,7 @@
 """Reading engine reports: fetching JSON and Prometheus text, and typed field reads.
 
 Owns the only translation of transport failures into `ProbeError` reasons (built on
-`kvproxy.errors.map_upstream_exception`, so the proxy and the probes agree on what a
+`kvproxy.netio.network_boundary`, so the proxy and the probes agree on what a
 timeout or a reset is), the response size cap, a small Prometheus text parser that
 extracts only the series a probe asks for, and the strictness every probe shares: a
 token count is a JSON integer >= 1 (not a bool, float or string), `null` means "not
@@ -24,17 +24,20 @@ import aiohttp
 import orjson
 
 from kvproxy.capacity.measurement import ProbeError
-from kvproxy.errors import KvproxyError, map_upstream_exception
+from kvproxy.errors import NetworkKind, UpstreamFailure
+from kvproxy.netio import failure_from, network_boundary
 
 # /server_info is ~40-160 KB; vLLM /metrics with histograms a few hundred KB. 16 MiB is
 # far above any honest answer and still bounds memory against a misbehaving endpoint.
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 
-_UPSTREAM_TO_REASON = {
-    "upstream_timeout": "timeout",
-    "upstream_unreachable": "connect",
-    "upstream_reset": "protocol",
-    "upstream_bad_response": "protocol",
+# The seam's kind -> the ProbeError reason the capacity metrics and /capacity show.
+_KIND_TO_REASON: dict[NetworkKind, str] = {
+    "timeout": "timeout",
+    "dns": "dns",
+    "connect": "connect",
+    "reset": "protocol",
+    "protocol": "protocol",
 }
 
 
@@ -50,13 +53,11 @@ def probe_error_from_exception(exc: BaseException, url: str) -> ProbeError:
     """Map a transport exception to a ProbeError; re-raises what is not transport."""
     if isinstance(exc, ProbeError):
         return exc
-    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+    failure = exc if isinstance(exc, UpstreamFailure) else failure_from(exc)
+    if failure.kind == "dns":
         return ProbeError("dns", f"GET {url}: host name did not resolve")
-    if isinstance(exc, aiohttp.InvalidURL):
-        return ProbeError("connect", f"GET {url}: invalid URL")
-    mapped: KvproxyError = map_upstream_exception(exc)
-    reason = _UPSTREAM_TO_REASON.get(mapped.code, "protocol")
-    return ProbeError(reason, f"GET {url}: {type(exc).__name__}")
+    cause = failure.cause or type(exc).__name__
+    return ProbeError(_KIND_TO_REASON[failure.kind], f"GET {url}: {cause}")
 
 
 def _describe(content_type: str, body: bytes) -> str:
@@ -67,25 +68,26 @@ async def fetch(session: aiohttp.ClientSession, url: str, timeout_s: float) -> t
     """GET `url`; return (content type, body) of a 2xx answer or raise ProbeError."""
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=timeout_s)
     try:
-        async with session.get(url, timeout=timeout, allow_redirects=False) as resp:
-            if not 200 <= resp.status < 300:
-                # Drain nothing: the connection is closed with the context manager.
-                raise HttpStatusError(resp.status, url)
-            declared = resp.content_length
-            if declared is not None and declared > MAX_RESPONSE_BYTES:
-                raise ProbeError("too_large", f"GET {url}: {declared:,} bytes declared")
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in resp.content.iter_chunked(64 * 1024):
-                size += len(chunk)
-                if size > MAX_RESPONSE_BYTES:
-                    raise ProbeError("too_large", f"GET {url}: over {MAX_RESPONSE_BYTES:,} bytes")
-                chunks.append(chunk)
-            return resp.content_type, b"".join(chunks)
-    except ProbeError:
-        raise
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise probe_error_from_exception(exc, url) from None
+        with network_boundary():
+            async with session.get(url, timeout=timeout, allow_redirects=False) as resp:
+                if not 200 <= resp.status < 300:
+                    # Drain nothing: the connection is closed with the context manager.
+                    raise HttpStatusError(resp.status, url)
+                declared = resp.content_length
+                if declared is not None and declared > MAX_RESPONSE_BYTES:
+                    raise ProbeError("too_large", f"GET {url}: {declared:,} bytes declared")
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in resp.content.iter_chunked(64 * 1024):
+                    size += len(chunk)
+                    if size > MAX_RESPONSE_BYTES:
+                        raise ProbeError(
+                            "too_large", f"GET {url}: over {MAX_RESPONSE_BYTES:,} bytes"
+                        )
+                    chunks.append(chunk)
+                return resp.content_type, b"".join(chunks)
+    except UpstreamFailure as failure:
+        raise probe_error_from_exception(failure, url) from None
 
 
 async def fetch_json(session: aiohttp.ClientSession, url: str, timeout_s: float) -> dict[str, Any]:

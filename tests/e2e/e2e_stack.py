@@ -26,7 +26,7 @@ from kvtest import running_proxy
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy.app import KvproxyServer
-from kvproxy.metrics import DEFERRED_OUTCOMES, DISCONNECT_PHASES
+from kvproxy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
 from kvproxy.prompt import Route
 from kvproxy.sim import SimCluster, SimOptions
 
