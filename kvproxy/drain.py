@@ -26,21 +26,14 @@ States (client side x upstream side):
     upstream:  AWAITING_HEADERS ──UpstreamHeaders──► BEFORE_TOKEN ──UpstreamChunk(token)──►
                STREAMING;  any of them ──(CloseUpstream decision)──► CLOSED
 
-    event            client PRESENT                    client GONE (deferred)
-    UpstreamHeaders  Forward                           KeepReading
-    UpstreamChunk    Forward                           Discard, or CloseUpstream(first_token)
-    UpstreamEOF      CloseUpstream(None)               CloseUpstream(completed)
-    UpstreamError    CloseUpstream(None)               CloseUpstream(upstream_error)
-    ClientGone       KeepReading, or CloseUpstream(first_token) when a token was already
-                     relayed and the drain ends at the first token; NoOp once upstream closed
-    Deadline         error (no deadline is armed)      CloseUpstream(timeout); KeepReading
-                                                       if it fired before `deadline`
-    Shutdown         CloseUpstream(None)               CloseUpstream(shutdown)
+{TRANSITIONS}
 
 `Shutdown` means "the shutdown grace period is over, close now", not "SIGTERM arrived":
 on SIGTERM the server stops accepting and lets drains run. Upstream events after the
-upstream closed, a second `UpstreamHeaders`, a chunk or EOF before headers, and a second
-`ClientGone` are caller bugs and raise `DrainProtocolError` without changing state.
+upstream closed, a second `UpstreamHeaders`, a chunk or EOF before headers, a second
+`ClientGone` and a `Deadline` while the client is present are caller bugs and raise
+`DrainProtocolError` without changing state. The table is `TRANSITIONS` (data, as h11
+keeps its own): this docstring renders it and the tests hold every decision to it.
 """
 
 from __future__ import annotations
@@ -324,3 +317,71 @@ class DrainMachine:
             f"upstream={self._up.value} client={'gone' if self.client_gone else 'present'} "
             f"outcome={self._outcome}>"
         )
+
+
+# --- the table, as data --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """The decisions an event can bring, with the client present and once it has gone."""
+
+    event: type[Event]
+    present: tuple[str, ...]
+    gone: tuple[str, ...]
+    note: str = ""
+
+
+TRANSITIONS: tuple[Transition, ...] = (
+    Transition(UpstreamHeaders, ("Forward",), ("KeepReading",)),
+    Transition(
+        UpstreamChunk,
+        ("Forward",),
+        ("Discard", "CloseUpstream(first_token)"),
+        "first_token: a token, streaming until=first_token",
+    ),
+    Transition(UpstreamEOF, ("CloseUpstream(None)",), ("CloseUpstream(completed)",)),
+    Transition(UpstreamError, ("CloseUpstream(None)",), ("CloseUpstream(upstream_error)",)),
+    Transition(
+        ClientGone,
+        ("KeepReading", "CloseUpstream(first_token)", "NoOp"),
+        (),
+        "first_token: a token was relayed; NoOp: upstream closed",
+    ),
+    Transition(
+        Deadline,
+        ("NoOp",),
+        ("CloseUpstream(timeout)", "KeepReading", "NoOp"),
+        "KeepReading: fired early; NoOp: upstream closed",
+    ),
+    Transition(
+        Shutdown,
+        ("CloseUpstream(None)", "NoOp"),
+        ("CloseUpstream(shutdown)", "NoOp"),
+        "NoOp: upstream closed",
+    ),
+)
+
+
+def label(decision: Decision) -> str:
+    """A decision as `TRANSITIONS` names it."""
+    if isinstance(decision, CloseUpstream):
+        return f"CloseUpstream({decision.outcome})"
+    return type(decision).__name__
+
+
+def _render(rows: tuple[Transition, ...]) -> str:
+    cells = [
+        (r.event.__name__, ", ".join(r.present), ", ".join(r.gone) or "(caller bug)") for r in rows
+    ]
+    w0, w1 = (max(len(c[k]) for c in cells) for k in (0, 1))
+    lines = [f"    {'event':<{w0}}  {'client PRESENT':<{w1}}  client GONE (deferred)"]
+    for row, (event, present, gone) in zip(rows, cells, strict=True):
+        lines.append(f"    {event:<{w0}}  {present:<{w1}}  {gone}")
+        if row.note:
+            lines.append(f"    {'':<{w0}}    ({row.note})")
+    return "\n".join(lines)
+
+
+if __doc__:  # None under python -OO
+    __doc__ = __doc__.replace("{TRANSITIONS}", _render(TRANSITIONS))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
+from kvproxy import drain
 from kvproxy.drain import (
     DEFERRED_OUTCOMES,
     DISCONNECT_PHASES,
@@ -36,6 +37,7 @@ from kvproxy.drain import (
     UpstreamEOF,
     UpstreamError,
     UpstreamHeaders,
+    label,
 )
 from kvproxy.guard import StreamGuard
 
@@ -234,6 +236,37 @@ def test_every_deferred_state_has_a_way_out(streaming: bool, until: DrainUntil) 
             assert m2.handle(ev) == CloseUpstream(outcome)
             assert not m2.deferred
     assert seen > 20
+
+
+def test_the_machine_takes_only_the_decisions_its_table_lists_and_all_of_them() -> None:
+    """`drain.TRANSITIONS` is the table the docstring shows: every decision of every walk
+    is in its row for the event and the client's state, and every cell is reached."""
+    rows = {row.event: row for row in drain.TRANSITIONS}
+    reached: set[tuple[type, bool, str]] = set()
+    for streaming, until in CONFIGS:
+        for seq, decision in walk(streaming, until):
+            if decision is None:
+                continue
+            before = replay(seq[:-1], streaming, until)
+            event = ALPHABET[seq[-1]](before, float(len(seq) - 1))
+            row = rows[type(event)]
+            allowed = row.gone if before.client_gone else row.present
+            assert label(decision) in allowed, (seq, label(decision))
+            reached.add((type(event), before.client_gone, label(decision)))
+    # A deadline that fires early (the walk's fire on time) re-arms.
+    m = DrainMachine(True, "first_token", TIMEOUT_S)
+    run(m, UpstreamHeaders(0.0), ClientGone(1.0))
+    assert label(m.handle(Deadline(2.0))) == "KeepReading"
+    reached.add((Deadline, True, "KeepReading"))
+    listed = {
+        (row.event, gone, name)
+        for row in drain.TRANSITIONS
+        for gone, names in ((False, row.present), (True, row.gone))
+        for name in names
+    }
+    assert listed == reached
+    assert drain.__doc__ is not None
+    assert "UpstreamChunk    Forward" in drain.__doc__
 
 
 def replay(seq: list[str], streaming: bool, until: DrainUntil) -> DrainMachine:
