@@ -21,6 +21,8 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
+from kvproxy.errors import UpstreamFailure
+from kvproxy.netio import network_boundary
 from kvproxy.output import body_texts, token_texts
 from kvproxy.sse import SSEParser
 
@@ -121,15 +123,17 @@ async def post(
     timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> Reply:
     try:
-        async with http.post(
-            url,
-            data=orjson.dumps(body),
-            headers={"Content-Type": "application/json", **headers},
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-        ) as resp:
-            return parse_reply(resp.status, resp.headers, await resp.read())
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        return Reply(0, None, [], False, None, error=type(exc).__name__)
+        with network_boundary():
+            async with http.post(
+                url,
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json", **headers},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                return parse_reply(resp.status, resp.headers, await resp.read())
+    except UpstreamFailure as failure:
+        # No HTTP answer: the reply names the exception type (never its message).
+        return Reply(0, None, [], False, None, error=failure.cause)
 
 
 async def get_json(
@@ -137,13 +141,14 @@ async def get_json(
 ) -> Any:
     """The JSON at `url`, or None (unreachable, not 200, not JSON)."""
     try:
-        async with http.get(
-            url, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-        ) as resp:
-            if resp.status != 200:
-                return None
-            return await resp.json(content_type=None)
-    except (TimeoutError, aiohttp.ClientError, ValueError):
+        with network_boundary():
+            async with http.get(
+                url, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                return await resp.json(content_type=None)
+    except (UpstreamFailure, ValueError):  # ValueError: the body is not JSON
         return None
 
 
@@ -195,16 +200,17 @@ class EngineTokenizer:
     async def tokens(self, text: str) -> list[int] | None:
         self.calls += 1
         try:
-            async with self.http.post(
-                self.base + "/tokenize",
-                data=orjson.dumps({"prompt": text}),
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
-            ) as resp:
-                if resp.status != 200:
-                    return None
-                data = await resp.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError, ValueError):
+            with network_boundary():
+                async with self.http.post(
+                    self.base + "/tokenize",
+                    data=orjson.dumps({"prompt": text}),
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
+                ) as resp:
+                    if resp.status != 200:
+                        return None
+                    data = await resp.json(content_type=None)
+        except (UpstreamFailure, ValueError):  # ValueError: the body is not JSON
             return None
         toks = data.get("tokens") if isinstance(data, dict) else None
         if isinstance(toks, list) and all(isinstance(t, int) for t in toks):
