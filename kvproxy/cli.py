@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -34,8 +33,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
-    if getattr(args, "config", None):
-        os.environ["KVPROXY_CONFIG"] = args.config
+    """The command's settings: its flags over the environment over `--config`'s file."""
     overrides: dict[str, Any] = {
         "listen": getattr(args, "listen", None),
         "admin_listen": getattr(args, "admin_listen", None),
@@ -51,7 +49,7 @@ def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
         except orjson.JSONDecodeError as exc:
             raise ConfigError(f"invalid setting engines (--engines): not JSON: {exc}") from None
     overrides.update(extra)
-    return load_settings(**overrides)
+    return load_settings(config_path=getattr(args, "config", None), overrides=overrides)
 
 
 def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:

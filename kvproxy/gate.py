@@ -2,8 +2,9 @@
 
 Runs in CI/CD before a rollout that touches long-context settings:
   1. measures every engine with the same probes the proxy uses (kvproxy.capacity);
-  2. compares the declared context with the measured limits (kvproxy.capacity.derive_limits,
-     the one limit computation) and names the largest safe value;
+  2. compares the declared context with the measured limits (kvproxy.capacity.limits_for,
+     the call the proxy's capacity monitor makes, with the same settings: declared
+     context, margin, fallback) and names the largest safe value;
   3. with --proxy: boundary probes (limit-1 and limit admitted, limit+1 rejected with 400
      context_length_exceeded and, with --sim, proven never to reach the engines);
   4. with --canary: the isolation scenarios (kvproxy.isolation), folded into the verdict;
@@ -33,8 +34,9 @@ from kvproxy import __version__
 from kvproxy.capacity import (
     EngineMeasurement,
     ProbeError,
-    derive_limits,
     expand_engine,
+    held_context,
+    limits_for,
     probe_engine,
     system_resolver,
 )
@@ -72,6 +74,10 @@ PROBE_TIMEOUT_S = 10.0
 class GateOptions:
     engines: tuple[EngineSpec, ...]
     max_context: int | None
+    # The rest of what the proxy's limits depend on (kvproxy.capacity.limits_for), from the
+    # same settings the proxy loads: the gate probes the limit the proxy enforces.
+    limit_margin_tokens: int = 0
+    capacity_fallback_limit_tokens: int | None = None
     proxy: str | None = None
     proxy_admin: str | None = None
     sim: str | None = None
@@ -143,17 +149,13 @@ def declared_context_check(
     declared: int, measured: list[EngineMeasurement], safe_limit: int, why: str
 ) -> Check:
     """The incident's misconfiguration: a declared context larger than what an admitting
-    engine holds. Compared in the same unit (tokens of context: min(context, pool)), so a
-    healthy 8,192 / 8,192 deployment passes; the safe value printed is the largest prompt
-    the engines accept."""
-    holds = [
-        (m.pool_tokens if m.context_length is None else min(m.pool_tokens, m.context_length), m)
-        for m in measured
-        if m.role in ("prefill", "unified") and m.source == "measured"
-    ]
-    if not holds:
+    engine holds. Compared in the same unit (tokens of context: min(context, pool), as
+    `held_context` computes it for the proxy's own warning), so a healthy 8,192 / 8,192
+    deployment passes; the safe value printed is the largest prompt the engines accept."""
+    held = held_context(measured)
+    if held is None:
         return Check("declared context fits every engine", False, "no engine measured")
-    cap, m = min(holds, key=lambda h: h[0])
+    cap, m = held
     data = {"declared": declared, "engine_holds": cap, "engine": m.engine, "safe": safe_limit}
     if declared <= cap:
         return Check(
@@ -207,12 +209,17 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                 )
         ok, detail, posture = posture_check(measured, opts.advisories_file, opts.accept_advisories)
         checks.append(Check(POSTURE_CHECK, ok, detail, {"blocking": posture["blocking"]}))
-        # The safe value ignores the declared context: what the engines alone can take.
-        safe = derive_limits(ok_m, max_context=None)
-        limits = derive_limits(ok_m, max_context=opts.max_context)
-        safe_ctx = safe.measured_limit_tokens
+        # What the proxy would enforce with these measurements: an engine the gate could
+        # not measure is unknown to it too (fail closed, or the configured fallback).
+        unmeasured = {spec.label: spec.role for spec, m in measured if isinstance(m, ProbeError)}
+        limits = limits_for(opts, ok_m, unmeasured)
+        # The safe value ignores the declared context, the margin and the unmeasured:
+        # what the measured engines alone can take.
+        safe_ctx = limits.measured_limit_tokens
         if opts.max_context is not None and safe_ctx is not None:
-            checks.append(declared_context_check(opts.max_context, ok_m, safe_ctx, safe.why))
+            checks.append(
+                declared_context_check(opts.max_context, ok_m, safe_ctx, limits.measured_why)
+            )
         deferred = None
         if opts.proxy_admin:
             deferred = await deferred_counts(http, opts.proxy_admin)
@@ -335,8 +342,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from(args: argparse.Namespace) -> GateOptions:
-    if args.config:
-        os.environ["KVPROXY_CONFIG"] = args.config
     overrides: dict[str, Any] = {}
     if args.engines:
         try:
@@ -345,7 +350,7 @@ def options_from(args: argparse.Namespace) -> GateOptions:
             raise ConfigError(f"invalid setting engines (--engines): not JSON: {exc}") from None
     if args.max_context is not None:
         overrides["max_context"] = args.max_context
-    settings = load_settings(**overrides)
+    settings = load_settings(config_path=args.config, overrides=overrides)
     if not settings.engines:
         raise ConfigError("invalid setting engines (--engines / KVPROXY_ENGINES): none given")
 
@@ -355,6 +360,8 @@ def options_from(args: argparse.Namespace) -> GateOptions:
     return GateOptions(
         engines=settings.engines,
         max_context=settings.max_context,
+        limit_margin_tokens=settings.limit_margin_tokens,
+        capacity_fallback_limit_tokens=settings.capacity_fallback_limit_tokens,
         proxy=strip(args.proxy),
         proxy_admin=strip(args.proxy_admin),
         sim=strip(args.sim),
