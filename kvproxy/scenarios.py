@@ -21,7 +21,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import aiohttp
 import orjson
@@ -30,14 +30,14 @@ from kvproxy.errors import UpstreamFailure
 from kvproxy.netio import network_boundary
 from kvproxy.probes import (
     REQUEST_TIMEOUT_S,
+    Observed,
     ProbeChoice,
+    ProbeClient,
     Reply,
     TargetRefused,
+    boundary_counts,
     boundary_prompts,
-    fetch_sim_stats,
     parse_reply,
-    post,
-    sim_arrivals,
 )
 
 SCENARIOS = ("normal_long", "boundary", "cancel", "transfer_failure")
@@ -117,6 +117,7 @@ class Harness:
     def __init__(self, opts: CanaryOptions, http: aiohttp.ClientSession, model: str) -> None:
         self.opts = opts
         self.http = http
+        self.client = ProbeClient(http, opts.sim)
         self.model = model
         self.rng = random.Random(opts.seed)
         self.tenants = [Tenant(name) for name in opts.tenants]
@@ -155,14 +156,15 @@ class Harness:
             "messages": [{"role": "user", "content": content}],
         }
         url = self.opts.target + "/v1/chat/completions"
-        return await post(self.http, url, body, self.headers(tenant, rid))
+        return await self.client.post(url, body, self.headers(tenant, rid))
 
     async def completion(
         self, tenant: Tenant, prompt: str | list[int], rid: str, max_tokens: int
-    ) -> Reply:
+    ) -> Observed:
+        """A completion between two ground-truth reads (did it reach an engine?)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
         url = self.opts.target + "/v1/completions"
-        return await post(self.http, url, body, self.headers(tenant, rid))
+        return await self.client.observe(url, body, self.headers(tenant, rid))
 
     def check(
         self, r: ScenarioResult, tenant: Tenant, rid: str, reply: Reply, *, errors_ok: bool = False
@@ -188,25 +190,6 @@ class Harness:
         if reply.refused() and not errors_ok:
             raise TargetRefused(f"{r.name} request {rid}", reply)
 
-    # --- ground truth -------------------------------------------------------------------
-
-    async def sim_stats(self) -> dict[str, Any] | None:
-        return await fetch_sim_stats(self.http, self.opts.sim)
-
-    async def sim_faults(self, faults: dict[str, Any]) -> bool:
-        if not self.opts.sim:
-            return False
-        try:
-            with network_boundary():
-                async with self.http.post(
-                    self.opts.sim + "/sim/faults",
-                    json=faults,
-                    timeout=aiohttp.ClientTimeout(total=10.0),
-                ) as resp:
-                    return resp.status == 200
-        except UpstreamFailure:
-            return False
-
     # --- scenarios ----------------------------------------------------------------------
 
     def _chars(self) -> int:
@@ -230,7 +213,7 @@ class Harness:
             return
         a, b = self.tenants[0], self.tenants[1]
         seed = f"Tenant {b.name} boundary {b.new_marker()}. {REPEAT} " + FILLER * 8
-        counts = [self.limit - 1, self.limit, self.limit + 1]
+        counts = boundary_counts(self.limit)
         probes = await boundary_prompts(
             self.http, self.tokenizer_bases, seed, counts, self.opts.probe_kind
         )
@@ -248,9 +231,8 @@ class Harness:
                     self.check(r, a, rid, reply)
             rid = self.request_id(r.name)
             label = f"limit{n - self.limit:+d} ({n} tokens)"
-            before = await self.sim_stats()
-            reply = await self.completion(b, probes.prompts[n], rid, BOUNDARY_OUTPUT_TOKENS)
-            after = await self.sim_stats()
+            seen = await self.completion(b, probes.prompts[n], rid, BOUNDARY_OUTPUT_TOKENS)
+            reply, arrived = seen.reply, seen.arrived
             self.check(r, b, rid, reply)
             if expect_admit:
                 if reply.context_length_exceeded:
@@ -260,7 +242,6 @@ class Harness:
                 r.fail(f"{label}: admitted and generated; must be rejected before the engine")
             elif not reply.context_length_exceeded:
                 r.fail(f"{label}: expected 400 context_length_exceeded, got {reply.describe()}")
-            arrived = sim_arrivals(before, after)
             if arrived is None:
                 r.notes.append(f"{label}: no simulator ground truth (pass --sim)")
             elif arrived:
@@ -367,7 +348,7 @@ class Harness:
             raise TargetRefused(f"{r.name} request {rid}", refused[0])
 
     async def _transfers_started(self) -> int | None:
-        stats = await self.sim_stats()
+        stats = await self.client.sim_stats()
         decode = stats.get("decode") if stats else None
         if isinstance(decode, dict) and isinstance(decode.get("transfers_started"), int):
             return int(decode["transfers_started"])
@@ -383,12 +364,12 @@ class Harness:
         try:
             for i in range(self.opts.rounds):
                 owner, victim = (b, a) if i % 2 == 0 else (a, b)
-                await self.sim_faults({"transfer_failure_probability": 0.0})
+                await self.client.sim_faults({"transfer_failure_probability": 0.0})
                 rid = self.request_id(r.name)
                 prompt = self.long_prompt(owner, chars)
                 reply = await self.chat(owner, prompt, rid, stream=False, max_tokens=len(prompt))
                 self.check(r, owner, rid, reply)
-                if not await self.sim_faults({"transfer_failure_probability": 1.0}):
+                if not await self.client.sim_faults({"transfer_failure_probability": 1.0}):
                     r.verdict = "skipped"
                     r.notes.append("the simulator refused the fault injection")
                     return
@@ -404,4 +385,4 @@ class Harness:
                 elif reply.refused():
                     r.notes.append(f"{rid}: the failed transfer answered {reply.describe()}")
         finally:
-            await self.sim_faults({"transfer_failure_probability": 0.0})
+            await self.client.sim_faults({"transfer_failure_probability": 0.0})
