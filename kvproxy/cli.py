@@ -172,13 +172,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from kvproxy.gate import run_check
+    from kvproxy.gate_cli import run_check
 
     return run_check(args)
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
-    from kvproxy.isolation import run_canary
+    from kvproxy.isolation_cli import run_canary
 
     return run_canary(args)
 
@@ -196,13 +196,13 @@ def _sim_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(p: argparse.ArgumentParser) -> None:
-    from kvproxy.gate import add_arguments
+    from kvproxy.gate_cli import add_arguments
 
     add_arguments(p)
 
 
 def _canary_args(p: argparse.ArgumentParser) -> None:
-    from kvproxy.isolation import add_arguments
+    from kvproxy.isolation_cli import add_arguments
 
     add_arguments(p)
 

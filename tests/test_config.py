@@ -3,7 +3,6 @@ never written (serve, demo and check all load through it)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 from kvproxy.cli import _settings_from, build_parser
 from kvproxy.config import ConfigError, load_settings
-from kvproxy.gate import options_from
+from kvproxy.gate_cli import options_from
 
 
 def write_config(path: Path) -> Path:
@@ -68,26 +67,3 @@ def test_serve_and_check_read_config_without_setting_the_environment(tmp_path: P
     assert (opts.max_context, opts.limit_margin_tokens) == (8192, 15)
     assert dict(os.environ) == before
     assert "KVPROXY_CONFIG" not in os.environ
-
-
-@pytest.mark.usefixtures("clean_env")
-def test_check_flags_override_the_config_file(tmp_path: Path) -> None:
-    config = str(write_config(tmp_path / "kvproxy.yaml"))
-    args = argparse.Namespace(
-        config=config,
-        engines='[{"url": "http://127.0.0.1:8", "role": "prefill"}]',
-        max_context=5315,
-        proxy=None,
-        proxy_admin=None,
-        sim=None,
-        canary=False,
-        unknown_probe=None,
-        out=None,
-        model=None,
-        accept_drain_timeouts=False,
-        probe_kind="auto",
-    )
-    opts = options_from(args)
-    assert opts.max_context == 5315
-    assert [e.url for e in opts.engines] == ["http://127.0.0.1:8"]
-    assert opts.limit_margin_tokens == 15  # the rest still comes from the file

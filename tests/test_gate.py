@@ -359,7 +359,7 @@ async def test_the_gate_reports_the_limits_the_monitor_publishes(tmp_path: Path)
     from kvproxy.capacity import CapacityMonitor
     from kvproxy.cli import build_parser
     from kvproxy.config import load_settings
-    from kvproxy.gate import options_from
+    from kvproxy.gate_cli import options_from
     from kvproxy.metrics import Metrics
 
     async with SimCluster(sim_options(context_length=8192, prefill_pool_tokens=5322)) as sim:
