@@ -103,8 +103,21 @@ async def test_an_unreachable_engine_fails_the_gate(tmp_path: Path) -> None:
     record = await run_gate(GateOptions(engines=engines, max_context=4096), lambda _: None)
     assert not record.passed
     assert record.engines[0]["error"]["reason"] == "connect"
+    # The proxy would not know its limit either (I3): the record says so, not 4,096.
+    assert record.limits["known"] is False
+    assert record.limits["unknown_engines"] == ["127.0.0.1:9"]
     json_path, _ = write_record(record, tmp_path)
     validate(json_path)
+    # ...unless the operator configured a fallback, which the proxy would then enforce.
+    fallback = await run_gate(
+        GateOptions(engines=engines, max_context=4096, capacity_fallback_limit_tokens=1000),
+        lambda _: None,
+    )
+    assert not fallback.passed
+    assert (fallback.limits["admission_limit_tokens"], fallback.limits["source"]) == (
+        1000,
+        "declared",
+    )
 
 
 async def test_boundary_probes_through_kvproxy_and_directly(tmp_path: Path) -> None:
