@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -34,8 +33,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
-    if getattr(args, "config", None):
-        os.environ["KVPROXY_CONFIG"] = args.config
+    """The command's settings: its flags over the environment over `--config`'s file."""
     overrides: dict[str, Any] = {
         "listen": getattr(args, "listen", None),
         "admin_listen": getattr(args, "admin_listen", None),
@@ -51,7 +49,7 @@ def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
         except orjson.JSONDecodeError as exc:
             raise ConfigError(f"invalid setting engines (--engines): not JSON: {exc}") from None
     overrides.update(extra)
-    return load_settings(**overrides)
+    return load_settings(config_path=getattr(args, "config", None), overrides=overrides)
 
 
 def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
@@ -174,13 +172,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from kvproxy.gate import run_check
+    from kvproxy.gate_cli import run_check
 
     return run_check(args)
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
-    from kvproxy.isolation import run_canary
+    from kvproxy.isolation_cli import run_canary
 
     return run_canary(args)
 
@@ -198,13 +196,13 @@ def _sim_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(p: argparse.ArgumentParser) -> None:
-    from kvproxy.gate import add_arguments
+    from kvproxy.gate_cli import add_arguments
 
     add_arguments(p)
 
 
 def _canary_args(p: argparse.ArgumentParser) -> None:
-    from kvproxy.isolation import add_arguments
+    from kvproxy.isolation_cli import add_arguments
 
     add_arguments(p)
 

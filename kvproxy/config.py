@@ -1,9 +1,13 @@
 """Settings: one frozen object, resolved once at start.
 
 Sources, highest priority first: CLI overrides (passed as init kwargs), environment
-(`KVPROXY_*`, `__` for nesting), the YAML file named by `KVPROXY_CONFIG` / `--config`,
-then the defaults below. An invalid value raises `ConfigError` with one line naming the
-setting; the CLI turns that into exit code 2.
+(`KVPROXY_*`, `__` for nesting), the YAML file (`load_settings(config_path=...)`, which
+`--config` feeds, else the one `KVPROXY_CONFIG` names), then the defaults below. An
+invalid value raises `ConfigError` with one line naming the setting; the CLI turns that
+into exit code 2.
+
+`load_settings` is the one loader (serve, demo, check): it reads the environment and never
+writes it, so the config path travels as an argument, not through `os.environ`.
 
 Every default here is a safety decision; the README explains each one.
 """
@@ -11,6 +15,9 @@ Every default here is a safety decision; the README explains each one.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
@@ -264,14 +271,29 @@ class Settings(BaseSettings):
         return split_host_port(self.admin_listen)
 
 
+# The config file of the `load_settings` call being resolved. pydantic-settings builds its
+# sources per class, not per call, so the path reaches `_YamlSource` this way: scoped to the
+# one call (a context variable, reset on return), never through the process environment.
+_CONFIG_PATH: ContextVar[str | None] = ContextVar("kvproxy_config_path", default=None)
+
+
+@contextmanager
+def _config_path(path: str | os.PathLike[str] | None) -> Iterator[None]:
+    token = _CONFIG_PATH.set(None if path is None else os.fspath(path))
+    try:
+        yield
+    finally:
+        _CONFIG_PATH.reset(token)
+
+
 class _YamlSource(PydanticBaseSettingsSource):
-    """Reads the YAML file named by KVPROXY_CONFIG (the CLI sets it from --config)."""
+    """Reads the YAML file `load_settings(config_path=...)` names, else KVPROXY_CONFIG's."""
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path = os.environ.get("KVPROXY_CONFIG")
+        path = _CONFIG_PATH.get() or os.environ.get("KVPROXY_CONFIG")
         if not path:
             return {}
         try:
@@ -292,10 +314,24 @@ def split_host_port(value: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def load_settings(**overrides: Any) -> Settings:
-    """Build Settings or raise ConfigError with one readable line."""
+def load_settings(
+    config_path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    **more: Any,
+) -> Settings:
+    """Build Settings or raise ConfigError with one readable line.
+
+    `config_path`: the YAML file (`--config`); None reads the one KVPROXY_CONFIG names, if
+    any. `overrides` (and keyword overrides, merged over them): values that win over the
+    environment and the file, as CLI flags do; a None value means "not given". Reads the
+    environment, never writes it: two loads in one process cannot see each other's file.
+
+        load_settings(config_path="kvproxy.yaml", overrides={"max_context": 8192})
+    """
+    given = {k: v for k, v in {**(overrides or {}), **more}.items() if v is not None}
     try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+        with _config_path(config_path):
+            return Settings(**given)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or "settings"

@@ -2,43 +2,42 @@
 
 Runs in CI/CD before a rollout that touches long-context settings:
   1. measures every engine with the same probes the proxy uses (kvproxy.capacity);
-  2. compares the declared context with the measured limits (kvproxy.capacity.derive_limits,
-     the one limit computation) and names the largest safe value;
+  2. compares the declared context with the measured limits (kvproxy.capacity.limits_for,
+     the call the proxy's capacity monitor makes, with the same settings: declared
+     context, margin, fallback) and names the largest safe value;
   3. with --proxy: boundary probes (limit-1 and limit admitted, limit+1 rejected with 400
      context_length_exceeded and, with --sim, proven never to reach the engines);
   4. with --canary: the isolation scenarios (kvproxy.isolation), folded into the verdict;
   5. with --proxy-admin: the proxy's deferred-cancellation counts by outcome; a deferral
      that ended unconfirmed (timeout, shutdown) fails the gate unless the operator passes
      --accept-drain-timeouts, which the record keeps (kvproxy.gate_deferred).
-It writes a release record (JSON, schema in kvproxy/schemas/, and Markdown) and exits 0
-only when every check passed. Never records prompt or completion text.
+It writes a release record (JSON, schema in kvproxy/schemas/, and Markdown; kvproxy.gate_record)
+and passes only when every check passed; the command line is kvproxy.gate_cli. Never
+records prompt or completion text.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import socket
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
 from kvproxy import __version__
 from kvproxy.capacity import (
     EngineMeasurement,
     ProbeError,
-    derive_limits,
     expand_engine,
+    held_context,
+    limits_for,
     probe_engine,
     system_resolver,
 )
-from kvproxy.config import ConfigError, EngineSpec, load_settings
+from kvproxy.config import EngineSpec
 from kvproxy.gate_deferred import CHECK_NAME, deferred_counts, deferred_verdict
 from kvproxy.gate_probes import (
     Check,
@@ -72,6 +71,10 @@ PROBE_TIMEOUT_S = 10.0
 class GateOptions:
     engines: tuple[EngineSpec, ...]
     max_context: int | None
+    # The rest of what the proxy's limits depend on (kvproxy.capacity.limits_for), from the
+    # same settings the proxy loads: the gate probes the limit the proxy enforces.
+    limit_margin_tokens: int = 0
+    capacity_fallback_limit_tokens: int | None = None
     proxy: str | None = None
     proxy_admin: str | None = None
     sim: str | None = None
@@ -143,17 +146,13 @@ def declared_context_check(
     declared: int, measured: list[EngineMeasurement], safe_limit: int, why: str
 ) -> Check:
     """The incident's misconfiguration: a declared context larger than what an admitting
-    engine holds. Compared in the same unit (tokens of context: min(context, pool)), so a
-    healthy 8,192 / 8,192 deployment passes; the safe value printed is the largest prompt
-    the engines accept."""
-    holds = [
-        (m.pool_tokens if m.context_length is None else min(m.pool_tokens, m.context_length), m)
-        for m in measured
-        if m.role in ("prefill", "unified") and m.source == "measured"
-    ]
-    if not holds:
+    engine holds. Compared in the same unit (tokens of context: min(context, pool), as
+    `held_context` computes it for the proxy's own warning), so a healthy 8,192 / 8,192
+    deployment passes; the safe value printed is the largest prompt the engines accept."""
+    held = held_context(measured)
+    if held is None:
         return Check("declared context fits every engine", False, "no engine measured")
-    cap, m = min(holds, key=lambda h: h[0])
+    cap, m = held
     data = {"declared": declared, "engine_holds": cap, "engine": m.engine, "safe": safe_limit}
     if declared <= cap:
         return Check(
@@ -207,12 +206,17 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                 )
         ok, detail, posture = posture_check(measured, opts.advisories_file, opts.accept_advisories)
         checks.append(Check(POSTURE_CHECK, ok, detail, {"blocking": posture["blocking"]}))
-        # The safe value ignores the declared context: what the engines alone can take.
-        safe = derive_limits(ok_m, max_context=None)
-        limits = derive_limits(ok_m, max_context=opts.max_context)
-        safe_ctx = safe.measured_limit_tokens
+        # What the proxy would enforce with these measurements: an engine the gate could
+        # not measure is unknown to it too (fail closed, or the configured fallback).
+        unmeasured = {spec.label: spec.role for spec, m in measured if isinstance(m, ProbeError)}
+        limits = limits_for(opts, ok_m, unmeasured)
+        # The safe value ignores the declared context, the margin and the unmeasured:
+        # what the measured engines alone can take.
+        safe_ctx = limits.measured_limit_tokens
         if opts.max_context is not None and safe_ctx is not None:
-            checks.append(declared_context_check(opts.max_context, ok_m, safe_ctx, safe.why))
+            checks.append(
+                declared_context_check(opts.max_context, ok_m, safe_ctx, limits.measured_why)
+            )
         deferred = None
         if opts.proxy_admin:
             deferred = await deferred_counts(http, opts.proxy_admin)
@@ -303,90 +307,3 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
         failed_checks=failed or ([] if ok_m else ["no engine measured"]),
         posture=posture,
     )
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="kvproxy YAML config to read engines and max_context from")
-    p.add_argument("--engines", help="JSON list as in KVPROXY_ENGINES (default: the config)")
-    p.add_argument("--max-context", type=int, help="declared context (KVPROXY_MAX_CONTEXT)")
-    p.add_argument("--proxy", help="kvproxy public URL: run boundary probes through it")
-    p.add_argument("--proxy-admin", help="kvproxy admin URL: read its limit and deferral counts")
-    p.add_argument("--sim", help="simulator router URL: ground truth for the probes")
-    p.add_argument("--canary", action="store_true", help="run the isolation scenarios too")
-    p.add_argument(
-        "--unknown-probe",
-        help="a kvproxy URL whose engines are unreachable: must answer 503 capacity_unknown",
-    )
-    p.add_argument(
-        "--accept-drain-timeouts",
-        action="store_true",
-        help="pass even if deferred cancellations ended by timeout or shutdown (drain not "
-        "confirmed); recorded in the release record",
-    )
-    p.add_argument("--model", help="model id to request (default: the proxy's /v1/models)")
-    p.add_argument(
-        "--probe-kind",
-        choices=("auto", "text", "token_ids"),
-        default="auto",
-        help="boundary prompts: text measured by an engine's /tokenize (auto, when one "
-        "answers) or token-id arrays",
-    )
-    p.add_argument("--out", help="directory for release-record.json and release-record.md")
-
-
-def options_from(args: argparse.Namespace) -> GateOptions:
-    if args.config:
-        os.environ["KVPROXY_CONFIG"] = args.config
-    overrides: dict[str, Any] = {}
-    if args.engines:
-        try:
-            overrides["engines"] = orjson.loads(args.engines)
-        except orjson.JSONDecodeError as exc:
-            raise ConfigError(f"invalid setting engines (--engines): not JSON: {exc}") from None
-    if args.max_context is not None:
-        overrides["max_context"] = args.max_context
-    settings = load_settings(**overrides)
-    if not settings.engines:
-        raise ConfigError("invalid setting engines (--engines / KVPROXY_ENGINES): none given")
-
-    def strip(u: str | None) -> str | None:
-        return u.rstrip("/") if u else None
-
-    return GateOptions(
-        engines=settings.engines,
-        max_context=settings.max_context,
-        proxy=strip(args.proxy),
-        proxy_admin=strip(args.proxy_admin),
-        sim=strip(args.sim),
-        canary=args.canary,
-        unknown_probe=strip(args.unknown_probe),
-        out=Path(args.out) if args.out else None,
-        model=args.model,
-        accept_drain_timeouts=args.accept_drain_timeouts,
-        probe_kind=args.probe_kind,
-        advisories_file=settings.advisories_file,
-        accept_advisories=settings.accept_advisories,
-    )
-
-
-def run_check(args: argparse.Namespace) -> int:
-    opts = options_from(args)
-
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    record = asyncio.run(run_gate(opts, progress))
-    print("\n".join(engine_table(record)))
-    print()
-    for c in record.checks:
-        print(f"{'PASS' if c.passed else 'FAIL'}  {c.name}: {c.detail}")
-    if record.safe_max_context_tokens is not None:
-        print(f"\nlargest safe context: {record.safe_max_context_tokens:,} tokens")
-    out = opts.out or Path(os.environ.get("KVPROXY_RECORD_DIR", "."))
-    j, m = write_record(record, out)
-    print(f"release record: {j} and {m}")
-    if record.passed:
-        print("RESULT: PASS")
-        return 0
-    print("RESULT: FAIL (" + "; ".join(record.failed_checks) + ")")
-    return 1

@@ -21,6 +21,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy.drain import DEFERRED_OUTCOMES
+from kvproxy.errors import UpstreamFailure
+from kvproxy.netio import network_boundary
 
 # Outcomes where kvproxy stopped waiting before the drain was confirmed (see drain.py).
 UNCONFIRMED_OUTCOMES = ("timeout", "shutdown")
@@ -37,9 +39,10 @@ async def deferred_counts(http: aiohttp.ClientSession, admin: str) -> dict[str, 
     """The proxy's deferral counts by outcome and its admission limit, from admin /metrics;
     None when the admin endpoint cannot be read."""
     try:
-        async with http.get(admin + "/metrics") as resp:
-            text = await resp.text()
-    except (TimeoutError, aiohttp.ClientError):
+        with network_boundary():
+            async with http.get(admin + "/metrics") as resp:
+                text = await resp.text()
+    except UpstreamFailure:
         return None
     counts: dict[str, float] = dict.fromkeys(DEFERRED_OUTCOMES, 0.0)
     limit = None

@@ -15,11 +15,11 @@ from kvproxy.config import EngineSpec
 from kvproxy.isolation import CanaryReport
 from kvproxy.probes import (
     ProbeChoice,
+    ProbeClient,
+    boundary_counts,
     boundary_prompts,
     discover_model,
-    fetch_sim_stats,
     post,
-    sim_arrivals,
     sim_prefill_url,
 )
 
@@ -48,7 +48,8 @@ async def boundary_probes(
     "limit reachable" check fails, over-strict) and limit+1 rejected with 400
     context_length_exceeded, proven (with --sim) never to reach the engines. Prompt lengths
     come from an engine's own /tokenize, not from kvproxy's counter."""
-    counts = [limit - 1, limit, limit + 1]
+    client = ProbeClient(http, sim)
+    counts = boundary_counts(limit)
     bases = [e.url.rstrip("/") for e in engines if e.role in ("prefill", "unified")]
     bases += [u for u in (await sim_prefill_url(http, sim), proxy) if u]
     seed = "kvproxy release gate probe. " + "the quick brown fox jumps over the lazy dog " * 8
@@ -58,16 +59,9 @@ async def boundary_probes(
     for n in counts:
         delta = n - limit
         body = {"model": model, "prompt": probes.prompts[n], "max_tokens": 1}
-        before = await fetch_sim_stats(http, sim)
-        reply = await post(
-            http,
-            proxy + "/v1/completions",
-            body,
-            {"X-Request-ID": f"kvproxy-check-limit{delta:+d}"},
-            REQUEST_TIMEOUT_S,
-        )
-        after = await fetch_sim_stats(http, sim)
-        arrived = sim_arrivals(before, after)
+        headers = {"X-Request-ID": f"kvproxy-check-limit{delta:+d}"}
+        seen = await client.observe(proxy + "/v1/completions", body, headers, REQUEST_TIMEOUT_S)
+        reply, arrived = seen.reply, seen.arrived
         name = f"boundary limit{delta:+d} ({n:,} tokens)"
         data = {
             "tokens": n,

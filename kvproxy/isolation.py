@@ -1,9 +1,10 @@
-"""`kvproxy canary`: the two-tenant isolation harness (runner, report and CLI).
+"""`kvproxy canary`: the two-tenant isolation harness (runner and report).
 
 Works against any OpenAI-compatible URL (kvproxy, a router, an engine); with `--sim` (the
 simulator's router) it also reads ground truth (`/sim/stats`) and injects faults
 (`/sim/faults`). The scenarios themselves are in kvproxy.scenarios, the probe client in
-kvproxy.probes.
+kvproxy.probes, the diagnosis of an unarmed tripwire in kvproxy.isolation_tripwire and the
+command line in kvproxy.isolation_cli.
 
 Before any scenario: the model comes from the target's `/v1/models` unless `--model` is
 given (routers such as smg route by model), and one preflight request must be served; a
@@ -15,20 +16,15 @@ report says so. Never prints or stores reply text: only marker ids, statuses and
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import re
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
 from kvproxy import __version__
+from kvproxy.isolation_tripwire import tripwire_diagnosis
 from kvproxy.probes import (
     ModelUnknown,
     TargetRefused,
@@ -76,65 +72,6 @@ class CanaryReport:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def arming_config(opts: CanaryOptions) -> str:
-    """The kvproxy YAML that makes its tripwire know the harness's tenants and markers."""
-    lines = [
-        f"tenant_header: {opts.tenant_header}",
-        "trust_tenant_header: true  # only behind a gateway that sets this header itself",
-        "canary_action: block",
-        "canaries:",
-    ]
-    for t in opts.tenants:
-        lines += [f"  - tenant: {t}", f'    patterns: ["KVCANARY-{t}-[0-9a-f]{{16}}"]']
-    return "\n".join(lines)
-
-
-async def tripwire_diagnosis(
-    http: aiohttp.ClientSession, opts: CanaryOptions, results: list[ScenarioResult]
-) -> dict[str, Any] | None:
-    """Foreign markers were delivered and none withheld, through something that answers as
-    kvproxy (admin URL given, or X-Kvproxy-Decision on its replies): its tripwire does not
-    know the harness's tenants. Say so, and how to arm it."""
-    delivered = sum(len(r.foreign_markers) for r in results)
-    blocked = sum(r.blocked_by_tripwire for r in results)
-    if not delivered or blocked:
-        return None
-    admin = await get_json(http, opts.proxy_admin + "/tripwire") if opts.proxy_admin else None
-    is_kvproxy = isinstance(admin, dict) or any(r.kvproxy_answered for r in results)
-    if not is_kvproxy:
-        return None
-    reasons: list[str] = []
-    if isinstance(admin, dict):
-        source = f"{opts.proxy_admin}/tripwire"
-        if not admin.get("trust_tenant_header"):
-            reasons.append("trust_tenant_header is false: the harness's tenant header is ignored")
-        header = str(admin.get("tenant_header") or "")
-        if header.lower() != opts.tenant_header.lower():
-            reasons.append(
-                f"it reads the tenant from {header!r}, the harness sends {opts.tenant_header!r}"
-            )
-        known = set(admin.get("canary_tenants") or [])
-        missing = [t for t in opts.tenants if t not in known]
-        if missing:
-            reasons.append(f"no canaries configured for {', '.join(missing)}")
-        if admin.get("canary_action") == "observe":
-            reasons.append("canary_action is observe: hits are counted, not withheld")
-    else:
-        source = "X-Kvproxy-Decision response headers"
-        reasons.append(
-            "the target answers as kvproxy but withheld nothing: its tripwire "
-            "probably does not know the harness's tenants (pass --proxy-admin "
-            "to check)"
-        )
-    return {
-        "target_is_kvproxy": True,
-        "armed": False,
-        "source": source,
-        "reasons": reasons,
-        "config": arming_config(opts),
-    }
 
 
 async def run_isolation(opts: CanaryOptions) -> CanaryReport:
@@ -265,76 +202,3 @@ def summary(report: CanaryReport) -> str:
         lines.extend(f"      {line}" for line in report.tripwire["config"].splitlines())
     lines.append("  note: " + CAVEATS[0])
     return "\n".join(lines)
-
-
-# --- CLI ----------------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="OpenAI-compatible base URL to test")
-    p.add_argument("--sim", help="the simulator's router URL: ground truth and fault injection")
-    p.add_argument(
-        "--engine",
-        help="an engine URL (SGLang/vLLM) whose /tokenize measures the boundary probes "
-        "(default: the simulator's prefill, then the target)",
-    )
-    p.add_argument("--proxy-admin", help="kvproxy's admin URL: tells whether its tripwire is armed")
-    p.add_argument(
-        "--scenarios",
-        default=",".join(SCENARIOS),
-        help=f"comma-separated subset of {','.join(SCENARIOS)}",
-    )
-    p.add_argument("--tenants", default="canary-a,canary-b", help="synthetic tenant ids")
-    p.add_argument("--tenant-header", default="X-Tenant-ID")
-    p.add_argument("--api-key", help="bearer token for the target, if it needs one")
-    p.add_argument("--model", help="model id to request (default: the target's /v1/models)")
-    p.add_argument("--limit", type=int, help="the admission limit to probe (inclusive tokens)")
-    p.add_argument(
-        "--probe-kind",
-        choices=("auto", "text", "token_ids"),
-        default="auto",
-        help="boundary prompts: text measured by the engine's /tokenize (auto, when one "
-        "answers) or token-id arrays",
-    )
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report", help="write the JSON report here")
-
-
-def options_from(args: argparse.Namespace, progress: Callable[[str], None]) -> CanaryOptions:
-    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
-    unknown = [s for s in scenarios if s not in SCENARIOS]
-    if unknown:
-        raise SystemExit(f"kvproxy canary: unknown scenario(s) {unknown}; known: {SCENARIOS}")
-    tenants = tuple(t.strip().lower() for t in args.tenants.split(",") if t.strip())
-    if len(tenants) < 2 or any(not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", t) for t in tenants):
-        raise SystemExit("kvproxy canary: --tenants needs two or more ids of [a-z0-9-]")
-
-    def strip(u: str | None) -> str | None:
-        return u.rstrip("/") if u else None
-
-    return CanaryOptions(
-        target=args.target.rstrip("/"),
-        sim=strip(args.sim),
-        engine=strip(args.engine),
-        proxy_admin=strip(args.proxy_admin),
-        scenarios=scenarios,
-        tenants=tenants,
-        tenant_header=args.tenant_header,
-        api_key=args.api_key,
-        model=args.model,
-        limit=args.limit,
-        rounds=max(1, min(args.rounds, 50)),
-        seed=args.seed,
-        probe_kind=args.probe_kind,
-        progress=progress,
-    )
-
-
-def run_canary(args: argparse.Namespace) -> int:
-    opts = options_from(args, lambda line: print(line, file=sys.stderr, flush=True))
-    report = asyncio.run(run_isolation(opts))
-    if args.report:
-        Path(args.report).write_bytes(orjson.dumps(report.to_json(), option=orjson.OPT_INDENT_2))
-    print(summary(report))
-    return 0 if report.verdict == "pass" else 1

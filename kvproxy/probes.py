@@ -1,6 +1,7 @@
 """The HTTP client the release gate (`kvproxy check`) and the isolation harness (`kvproxy
 canary`) share: one request/reply reader, the model the target serves, the engine's own
-tokenizer, boundary prompts of an exact length, and the simulator's ground truth.
+tokenizer, boundary prompts of an exact length, and the simulator's ground truth
+(`ProbeClient.observe`: a request between two `/sim/stats` reads).
 
 Owns: how a reply is read (status, error code, the text a client received, whether kvproxy's
 tripwire withheld it); what counts as the target *refusing* a probe (any 4xx/5xx or transport
@@ -21,6 +22,8 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
+from kvproxy.errors import UpstreamFailure
+from kvproxy.netio import network_boundary
 from kvproxy.output import body_texts, token_texts
 from kvproxy.sse import SSEParser
 
@@ -121,15 +124,17 @@ async def post(
     timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> Reply:
     try:
-        async with http.post(
-            url,
-            data=orjson.dumps(body),
-            headers={"Content-Type": "application/json", **headers},
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-        ) as resp:
-            return parse_reply(resp.status, resp.headers, await resp.read())
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        return Reply(0, None, [], False, None, error=type(exc).__name__)
+        with network_boundary():
+            async with http.post(
+                url,
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json", **headers},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                return parse_reply(resp.status, resp.headers, await resp.read())
+    except UpstreamFailure as failure:
+        # No HTTP answer: the reply names the exception type (never its message).
+        return Reply(0, None, [], False, None, error=failure.cause)
 
 
 async def get_json(
@@ -137,13 +142,14 @@ async def get_json(
 ) -> Any:
     """The JSON at `url`, or None (unreachable, not 200, not JSON)."""
     try:
-        async with http.get(
-            url, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-        ) as resp:
-            if resp.status != 200:
-                return None
-            return await resp.json(content_type=None)
-    except (TimeoutError, aiohttp.ClientError, ValueError):
+        with network_boundary():
+            async with http.get(
+                url, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                return await resp.json(content_type=None)
+    except (UpstreamFailure, ValueError):  # ValueError: the body is not JSON
         return None
 
 
@@ -195,16 +201,17 @@ class EngineTokenizer:
     async def tokens(self, text: str) -> list[int] | None:
         self.calls += 1
         try:
-            async with self.http.post(
-                self.base + "/tokenize",
-                data=orjson.dumps({"prompt": text}),
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
-            ) as resp:
-                if resp.status != 200:
-                    return None
-                data = await resp.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError, ValueError):
+            with network_boundary():
+                async with self.http.post(
+                    self.base + "/tokenize",
+                    data=orjson.dumps({"prompt": text}),
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
+                ) as resp:
+                    if resp.status != 200:
+                        return None
+                    data = await resp.json(content_type=None)
+        except (UpstreamFailure, ValueError):  # ValueError: the body is not JSON
             return None
         toks = data.get("tokens") if isinstance(data, dict) else None
         if isinstance(toks, list) and all(isinstance(t, int) for t in toks):
@@ -309,6 +316,71 @@ async def sim_prefill_url(http: aiohttp.ClientSession, sim: str | None) -> str |
 
 
 # --- the simulator's ground truth ------------------------------------------------------------
+
+
+def boundary_counts(limit: int) -> list[int]:
+    """The three lengths every boundary probe sends: limit-1 and limit must be admitted,
+    limit+1 rejected (400 context_length_exceeded) before it reaches an engine."""
+    return [limit - 1, limit, limit + 1]
+
+
+@dataclass
+class Observed:
+    """One probe's reply and, with the simulator, which engines saw it arrive ("" none,
+    None: no ground truth)."""
+
+    reply: Reply
+    arrived: str | None
+
+
+class ProbeClient:
+    """The requests the gate and the isolation harness send, with the simulator's ground
+    truth around them when `sim` is given: one client, so both read replies, arrivals and
+    faults the same way."""
+
+    def __init__(self, http: aiohttp.ClientSession, sim: str | None) -> None:
+        self.http = http
+        self.sim = sim
+
+    async def post(
+        self,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> Reply:
+        return await post(self.http, url, body, headers, timeout_s)
+
+    async def sim_stats(self) -> dict[str, Any] | None:
+        return await fetch_sim_stats(self.http, self.sim)
+
+    async def observe(
+        self,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> Observed:
+        """POST between two ground-truth reads: did it reach an engine?"""
+        before = await self.sim_stats()
+        reply = await self.post(url, body, headers, timeout_s)
+        after = await self.sim_stats()
+        return Observed(reply, sim_arrivals(before, after))
+
+    async def sim_faults(self, faults: dict[str, Any]) -> bool:
+        """Set the simulator's fault injection; False without a simulator or on refusal."""
+        if not self.sim:
+            return False
+        try:
+            with network_boundary():
+                async with self.http.post(
+                    self.sim + "/sim/faults",
+                    json=faults,
+                    timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
+                ) as resp:
+                    return resp.status == 200
+        except UpstreamFailure:
+            return False
 
 
 async def fetch_sim_stats(http: aiohttp.ClientSession, sim: str | None) -> dict[str, Any] | None:

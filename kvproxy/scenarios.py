@@ -21,21 +21,23 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import aiohttp
 import orjson
 
+from kvproxy.errors import UpstreamFailure
+from kvproxy.netio import network_boundary
 from kvproxy.probes import (
     REQUEST_TIMEOUT_S,
+    Observed,
     ProbeChoice,
+    ProbeClient,
     Reply,
     TargetRefused,
+    boundary_counts,
     boundary_prompts,
-    fetch_sim_stats,
     parse_reply,
-    post,
-    sim_arrivals,
 )
 
 SCENARIOS = ("normal_long", "boundary", "cancel", "transfer_failure")
@@ -115,6 +117,7 @@ class Harness:
     def __init__(self, opts: CanaryOptions, http: aiohttp.ClientSession, model: str) -> None:
         self.opts = opts
         self.http = http
+        self.client = ProbeClient(http, opts.sim)
         self.model = model
         self.rng = random.Random(opts.seed)
         self.tenants = [Tenant(name) for name in opts.tenants]
@@ -153,14 +156,15 @@ class Harness:
             "messages": [{"role": "user", "content": content}],
         }
         url = self.opts.target + "/v1/chat/completions"
-        return await post(self.http, url, body, self.headers(tenant, rid))
+        return await self.client.post(url, body, self.headers(tenant, rid))
 
     async def completion(
         self, tenant: Tenant, prompt: str | list[int], rid: str, max_tokens: int
-    ) -> Reply:
+    ) -> Observed:
+        """A completion between two ground-truth reads (did it reach an engine?)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
         url = self.opts.target + "/v1/completions"
-        return await post(self.http, url, body, self.headers(tenant, rid))
+        return await self.client.observe(url, body, self.headers(tenant, rid))
 
     def check(
         self, r: ScenarioResult, tenant: Tenant, rid: str, reply: Reply, *, errors_ok: bool = False
@@ -186,24 +190,6 @@ class Harness:
         if reply.refused() and not errors_ok:
             raise TargetRefused(f"{r.name} request {rid}", reply)
 
-    # --- ground truth -------------------------------------------------------------------
-
-    async def sim_stats(self) -> dict[str, Any] | None:
-        return await fetch_sim_stats(self.http, self.opts.sim)
-
-    async def sim_faults(self, faults: dict[str, Any]) -> bool:
-        if not self.opts.sim:
-            return False
-        try:
-            async with self.http.post(
-                self.opts.sim + "/sim/faults",
-                json=faults,
-                timeout=aiohttp.ClientTimeout(total=10.0),
-            ) as resp:
-                return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            return False
-
     # --- scenarios ----------------------------------------------------------------------
 
     def _chars(self) -> int:
@@ -227,7 +213,7 @@ class Harness:
             return
         a, b = self.tenants[0], self.tenants[1]
         seed = f"Tenant {b.name} boundary {b.new_marker()}. {REPEAT} " + FILLER * 8
-        counts = [self.limit - 1, self.limit, self.limit + 1]
+        counts = boundary_counts(self.limit)
         probes = await boundary_prompts(
             self.http, self.tokenizer_bases, seed, counts, self.opts.probe_kind
         )
@@ -245,9 +231,8 @@ class Harness:
                     self.check(r, a, rid, reply)
             rid = self.request_id(r.name)
             label = f"limit{n - self.limit:+d} ({n} tokens)"
-            before = await self.sim_stats()
-            reply = await self.completion(b, probes.prompts[n], rid, BOUNDARY_OUTPUT_TOKENS)
-            after = await self.sim_stats()
+            seen = await self.completion(b, probes.prompts[n], rid, BOUNDARY_OUTPUT_TOKENS)
+            reply, arrived = seen.reply, seen.arrived
             self.check(r, b, rid, reply)
             if expect_admit:
                 if reply.context_length_exceeded:
@@ -257,7 +242,6 @@ class Harness:
                 r.fail(f"{label}: admitted and generated; must be rejected before the engine")
             elif not reply.context_length_exceeded:
                 r.fail(f"{label}: expected 400 context_length_exceeded, got {reply.describe()}")
-            arrived = sim_arrivals(before, after)
             if arrived is None:
                 r.notes.append(f"{label}: no simulator ground truth (pass --sim)")
             elif arrived:
@@ -310,60 +294,61 @@ class Harness:
         refused: list[Reply] = []
 
         async def go() -> None:
-            async with self.http.post(
-                self.opts.target + "/v1/chat/completions",
-                data=orjson.dumps(body),
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
-            ) as resp:
-                if resp.status != 200:
-                    # An error answer ends the request: record it, nothing to leave from.
-                    refused.append(parse_reply(resp.status, resp.headers, await resp.read()))
-                    return
-                async for chunk in resp.content.iter_any():
-                    if b'"content"' in chunk or b'"text"' in chunk:
-                        first_byte.set()
+            with network_boundary():
+                async with self.http.post(
+                    self.opts.target + "/v1/chat/completions",
+                    data=orjson.dumps(body),
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+                ) as resp:
+                    if resp.status != 200:
+                        # An error answer ends the request: record it, nothing to leave from.
+                        refused.append(parse_reply(resp.status, resp.headers, await resp.read()))
+                        return
+                    async for chunk in resp.content.iter_any():
+                        if b'"content"' in chunk or b'"text"' in chunk:
+                            first_byte.set()
 
         task = asyncio.ensure_future(go())
-        try:
-            if phase == "decode":
-                # Whichever comes first: the first token, or the request ending without one.
-                waiter = asyncio.ensure_future(first_byte.wait())
-                await asyncio.wait(
-                    {waiter, task},
-                    timeout=FIRST_TOKEN_TIMEOUT_S,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                waiter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await waiter
-            elif phase == "transfer" and started is not None:
-                # Ground truth says when decode starts receiving pages: leave then.
-                deadline = time.monotonic() + TRANSFER_START_TIMEOUT_S
-                for _ in range(5000):
-                    now = await self._transfers_started()
-                    if task.done() or now is None or now > started:
-                        break
-                    if time.monotonic() > deadline:
-                        r.notes.append(
-                            f"{rid}: no transfer started within "
-                            f"{TRANSFER_START_TIMEOUT_S:.0f} s; left anyway"
-                        )
-                        break
-                    await asyncio.sleep(0.002)
-            else:
-                await asyncio.sleep(self.rng.uniform(0.005, 0.05))
-        except (TimeoutError, aiohttp.ClientError):
-            pass
+        # Nothing here raises a transport error: the ground-truth reads (get_json) answer
+        # None instead, and the request's own failure stays inside `task`.
+        if phase == "decode":
+            # Whichever comes first: the first token, or the request ending without one.
+            waiter = asyncio.ensure_future(first_byte.wait())
+            await asyncio.wait(
+                {waiter, task},
+                timeout=FIRST_TOKEN_TIMEOUT_S,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
+        elif phase == "transfer" and started is not None:
+            # Ground truth says when decode starts receiving pages: leave then.
+            deadline = time.monotonic() + TRANSFER_START_TIMEOUT_S
+            for _ in range(5000):
+                now = await self._transfers_started()
+                if task.done() or now is None or now > started:
+                    break
+                if time.monotonic() > deadline:
+                    r.notes.append(
+                        f"{rid}: no transfer started within "
+                        f"{TRANSFER_START_TIMEOUT_S:.0f} s; left anyway"
+                    )
+                    break
+                await asyncio.sleep(0.002)
+        else:
+            await asyncio.sleep(self.rng.uniform(0.005, 0.05))
         if not task.done():
             task.cancel()  # closes the connection: the client has gone
-        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, TimeoutError):
+        # The leg's own failure (reset, timeout) is the point of the scenario, not an error.
+        with contextlib.suppress(asyncio.CancelledError, UpstreamFailure):
             await task
         if refused and refused[0].refused():
             raise TargetRefused(f"{r.name} request {rid}", refused[0])
 
     async def _transfers_started(self) -> int | None:
-        stats = await self.sim_stats()
+        stats = await self.client.sim_stats()
         decode = stats.get("decode") if stats else None
         if isinstance(decode, dict) and isinstance(decode.get("transfers_started"), int):
             return int(decode["transfers_started"])
@@ -379,12 +364,12 @@ class Harness:
         try:
             for i in range(self.opts.rounds):
                 owner, victim = (b, a) if i % 2 == 0 else (a, b)
-                await self.sim_faults({"transfer_failure_probability": 0.0})
+                await self.client.sim_faults({"transfer_failure_probability": 0.0})
                 rid = self.request_id(r.name)
                 prompt = self.long_prompt(owner, chars)
                 reply = await self.chat(owner, prompt, rid, stream=False, max_tokens=len(prompt))
                 self.check(r, owner, rid, reply)
-                if not await self.sim_faults({"transfer_failure_probability": 1.0}):
+                if not await self.client.sim_faults({"transfer_failure_probability": 1.0}):
                     r.verdict = "skipped"
                     r.notes.append("the simulator refused the fault injection")
                     return
@@ -400,4 +385,4 @@ class Harness:
                 elif reply.refused():
                     r.notes.append(f"{rid}: the failed transfer answered {reply.describe()}")
         finally:
-            await self.sim_faults({"transfer_failure_probability": 0.0})
+            await self.client.sim_faults({"transfer_failure_probability": 0.0})

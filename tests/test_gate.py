@@ -103,8 +103,21 @@ async def test_an_unreachable_engine_fails_the_gate(tmp_path: Path) -> None:
     record = await run_gate(GateOptions(engines=engines, max_context=4096), lambda _: None)
     assert not record.passed
     assert record.engines[0]["error"]["reason"] == "connect"
+    # The proxy would not know its limit either (I3): the record says so, not 4,096.
+    assert record.limits["known"] is False
+    assert record.limits["unknown_engines"] == ["127.0.0.1:9"]
     json_path, _ = write_record(record, tmp_path)
     validate(json_path)
+    # ...unless the operator configured a fallback, which the proxy would then enforce.
+    fallback = await run_gate(
+        GateOptions(engines=engines, max_context=4096, capacity_fallback_limit_tokens=1000),
+        lambda _: None,
+    )
+    assert not fallback.passed
+    assert (fallback.limits["admission_limit_tokens"], fallback.limits["source"]) == (
+        1000,
+        "declared",
+    )
 
 
 async def test_boundary_probes_through_kvproxy_and_directly(tmp_path: Path) -> None:
@@ -350,3 +363,34 @@ async def test_the_model_comes_from_v1_models_and_token_ids_can_be_asked_for(
     # Token ids are counted exactly by kvproxy: the limit is reachable with them.
     assert record.passed, record.failed_checks
     assert checks["limit reachable"].data["probe_kind"] == "token_ids"
+
+
+async def test_the_gate_reports_the_limits_the_monitor_publishes(tmp_path: Path) -> None:
+    """One config file, read by the proxy's capacity monitor and by `kvproxy check`: the
+    same limits (the old gate dropped the margin and probed 5,315 where the proxy, with a
+    15-token margin, enforces 5,300)."""
+    from kvproxy.capacity import CapacityMonitor
+    from kvproxy.cli import build_parser
+    from kvproxy.config import load_settings
+    from kvproxy.gate_cli import options_from
+    from kvproxy.metrics import Metrics
+
+    async with SimCluster(sim_options(context_length=8192, prefill_pool_tokens=5322)) as sim:
+        config = tmp_path / "kvproxy.yaml"
+        config.write_text(
+            f"engines: {engines_json(sim)}\nmax_context: 5315\nlimit_margin_tokens: 15\n",
+            encoding="utf-8",
+        )
+        args = build_parser(["check"]).parse_args(["check", "--config", str(config)])
+        record = await run_gate(options_from(args), lambda _: None)
+        metrics = Metrics()
+        async with aiohttp.ClientSession() as http:
+            monitor = CapacityMonitor(load_settings(config_path=config), metrics, http)
+            await monitor.refresh_now()
+            published = monitor.limits()
+    # By hand: SGLang refuses len >= max_req_input_len = min(8,192, 5,322) - 6, so the
+    # largest prompt is 5,315; minus the margin, 5,300.
+    assert published.admission_limit_tokens == 5300
+    assert metrics.registry.get_sample_value("kvproxy_admission_limit_tokens") == 5300
+    assert record.limits == published.to_json()
+    assert record.safe_max_context_tokens == 5315

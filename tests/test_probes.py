@@ -15,8 +15,10 @@ from aiohttp import web
 from kvproxy.probes import (
     EngineTokenizer,
     ModelUnknown,
+    ProbeClient,
     Reply,
     TargetRefused,
+    boundary_counts,
     boundary_prompts,
     discover_model,
     exact_text,
@@ -114,3 +116,66 @@ def test_what_a_refusal_is_and_what_it_says() -> None:
     assert str(TargetRefused("probe", gone)).endswith(
         "ClientConnectorError — is the target reachable?"
     )
+
+
+@contextlib.asynccontextmanager
+async def fake_sim(reaches_engine: bool) -> AsyncIterator[str]:
+    """A router with ground truth: /sim/stats counts completions that reached prefill."""
+    seen = {"n": 0}
+
+    async def stats(_: web.Request) -> web.Response:
+        routes = {"/v1/completions": seen["n"]}
+        return web.json_response({"prefill": {"requests_by_route": routes}, "decode": {}})
+
+    async def complete(_: web.Request) -> web.Response:
+        if reaches_engine:
+            seen["n"] += 1
+            return web.json_response({"choices": [{"index": 0, "text": "ok"}]})
+        err = {"code": "context_length_exceeded", "message": "too long"}
+        return web.json_response({"error": err}, status=400)
+
+    async def faults(_: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/sim/stats", stats)
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_post("/sim/faults", faults)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(("reaches", "arrived"), [(True, "prefill +1"), (False, "")])
+async def test_observe_reads_ground_truth_around_the_request(reaches: bool, arrived: str) -> None:
+    async with fake_sim(reaches) as sim, aiohttp.ClientSession() as http:
+        client = ProbeClient(http, sim)
+        seen = await client.observe(sim + "/v1/completions", {"prompt": "x"}, {})
+        assert await client.sim_faults({"transfer_failure_probability": 0.0})
+    assert seen.arrived == arrived
+    assert seen.reply.status == (200 if reaches else 400)
+    assert seen.reply.context_length_exceeded is not reaches
+    assert seen.reply.texts == (["ok"] if reaches else [])
+
+
+async def test_without_a_simulator_or_a_target_the_client_says_so() -> None:
+    async with aiohttp.ClientSession() as http:
+        client = ProbeClient(http, None)
+        seen = await client.observe("http://127.0.0.1:9/v1/completions", {}, {})
+        assert not await client.sim_faults({})
+        assert not await ProbeClient(http, "http://127.0.0.1:9").sim_faults({})
+    # No ground truth (None, not ""), and the transport failure left through the seam as
+    # a reply naming the exception type, never raised.
+    assert seen.arrived is None
+    assert (seen.reply.status, seen.reply.error) == (0, "ClientConnectorError")
+    assert seen.reply.refused()
+
+
+def test_every_boundary_probe_sends_limit_minus_one_limit_and_limit_plus_one() -> None:
+    assert boundary_counts(5315) == [5314, 5315, 5316]

@@ -3,7 +3,7 @@ computation, and the monitor that keeps the limits fresh (fail closed, I3).
 
 The request path calls `CapacityMonitor.limits()` (cheap); the admin app serves
 `CapacityMonitor.snapshot_json()` on `GET /capacity`; `kvproxy check` calls
-`probe_engine` and `derive_limits` directly.
+`probe_engine` and `limits_for` (the monitor's own limit computation) directly.
 """
 
 from kvproxy.capacity.discovery import Resolver, expand_engine, system_resolver
@@ -11,7 +11,10 @@ from kvproxy.capacity.limits import (
     SGLANG_RESERVED_TOKENS,
     EngineLimits,
     Limits,
+    LimitSettings,
     derive_limits,
+    held_context,
+    limits_for,
     sglang_limits,
     static_limits,
     vllm_limits,
@@ -34,11 +37,14 @@ __all__ = [
     "CapacityMonitor",
     "EngineLimits",
     "EngineMeasurement",
+    "LimitSettings",
     "Limits",
     "ProbeError",
     "Resolver",
     "derive_limits",
     "expand_engine",
+    "held_context",
+    "limits_for",
     "measure_sglang",
     "measure_static",
     "measure_vllm",

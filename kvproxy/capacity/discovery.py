@@ -23,6 +23,8 @@ from yarl import URL
 
 from kvproxy.capacity.measurement import ProbeError
 from kvproxy.config import EngineSpec
+from kvproxy.errors import UpstreamFailure
+from kvproxy.netio import network_boundary
 
 # (host, port) -> addresses. Injected in tests; the default asks the system resolver.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -68,12 +70,13 @@ async def expand_engine(
         return (spec,)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        async with asyncio.timeout(timeout_s):
-            addresses = await resolver(host, port)
-    except TimeoutError:
-        raise ProbeError("dns", f"resolving {host} took over {timeout_s:g} s") from None
-    except OSError as exc:  # socket.gaierror is an OSError
-        raise ProbeError("dns", f"resolving {host} failed ({type(exc).__name__})") from None
+        with network_boundary():  # socket.gaierror is an OSError: the seam maps it too
+            async with asyncio.timeout(timeout_s):
+                addresses = await resolver(host, port)
+    except UpstreamFailure as failure:
+        if failure.kind == "timeout":
+            raise ProbeError("dns", f"resolving {host} took over {timeout_s:g} s") from None
+        raise ProbeError("dns", f"resolving {host} failed ({failure.cause})") from None
     chosen = _prefer_family(addresses)
     if not chosen:
         raise ProbeError("dns", f"{host} resolved to no usable address")

@@ -1,5 +1,7 @@
 """The limit arithmetic: per-engine limits from reported numbers, and the admission and
-decode limits from all engines. Sans-IO; used by the monitor and by `kvproxy check`.
+decode limits from all engines. Sans-IO; used by the monitor and by `kvproxy check`, both through
+`limits_for(settings, measurements)`, so the gate computes the proxy's limit from the same
+inputs (declared context, margin, fallback), not a look-alike.
 
 Every limit is an inclusive token count: the largest prompt (or prompt + output) that
 fits. The rules, each with the reason for its off-by-one:
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvproxy.capacity.measurement import BoundBy, EngineMeasurement, Role, Source
 
@@ -179,8 +182,11 @@ class Limits:
     # output, linear in both) sits below it: SGLang's page-aware clamp makes the pool term
     # up to 2 x page_size stricter than the input check.
     decode_prompt_limit_tokens: int | None = None
-    # Smallest measured (not declared) prefill/unified input limit, before margin.
+    # Smallest measured (not declared) prefill/unified input limit, before margin: the
+    # largest safe declared context `kvproxy check` names. Independent of the declared
+    # context, the margin and unmeasured engines; `measured_why` says which engine binds.
     measured_limit_tokens: int | None = None
+    measured_why: str = ""
     margin_tokens: int = 0
     unknown_engines: tuple[str, ...] = ()
     fallback_used: bool = False
@@ -200,6 +206,7 @@ class Limits:
             "decode_prompt_limit_tokens": self.decode_prompt_limit_tokens,
             "declared_context": self.declared_context,
             "measured_limit_tokens": self.measured_limit_tokens,
+            "measured_why": self.measured_why,
             "margin_tokens": self.margin_tokens,
             "unknown_engines": list(self.unknown_engines),
             "fallback_used": self.fallback_used,
@@ -225,6 +232,20 @@ def _margin_phrase(margin: int) -> str:
     return f", minus a {margin:,}-token safety margin" if margin else ""
 
 
+def held_context(
+    measurements: Iterable[EngineMeasurement],
+) -> tuple[int, EngineMeasurement] | None:
+    """The smallest context a measured admitting engine holds, in tokens of context
+    (min(context, pool): the unit a declared context is in), and that engine; None when no
+    prefill/unified engine was measured (declared numbers do not count)."""
+    holds = [
+        (m.pool_tokens if m.context_length is None else min(m.pool_tokens, m.context_length), m)
+        for m in measurements
+        if m.role in _ADMISSION_ROLES and m.source != "declared"
+    ]
+    return min(holds, key=lambda h: h[0]) if holds else None
+
+
 def derive_limits(
     measurements: Iterable[EngineMeasurement],
     *,
@@ -240,21 +261,14 @@ def derive_limits(
     `fallback_limit_tokens` is set, which then stands in for each of them, declared.
     """
     unknown = dict(unknown or {})
+    measurements = list(measurements)
     adm: list[_Candidate] = []
     dec: list[_Candidate] = []
     dec_prompt: list[int] = []
-    capacities: list[tuple[int, EngineMeasurement]] = []
     for m in measurements:
         declared = m.source == "declared"
         if m.role in _ADMISSION_ROLES:
             adm.append(_Candidate(m.input_limit_tokens, m.limit_phrase(), m.engine, declared))
-            if not declared:
-                cap = (
-                    m.pool_tokens
-                    if m.context_length is None
-                    else min(m.pool_tokens, m.context_length)
-                )
-                capacities.append((cap, m))
         if m.role in _DECODE_ROLES and m.decode_limit_tokens is not None:
             dec.append(_Candidate(m.decode_limit_tokens, m.limit_phrase(), m.engine, declared))
             dec_prompt.append(m.input_limit_tokens)
@@ -266,11 +280,14 @@ def derive_limits(
                 )
             )
 
-    measured = [c.tokens for c in adm if not c.declared]
-    measured_limit = min(measured) if measured else None
+    measured = [c for c in adm if not c.declared]
+    measured_best = _pick(measured) if measured else None
+    measured_limit = measured_best.tokens if measured_best is not None else None
+    measured_why = measured_best.phrase if measured_best is not None else ""
     warnings: list[str] = []
-    if max_context is not None and capacities:
-        cap, m = min(capacities, key=lambda x: x[0])
+    held = held_context(measurements)
+    if max_context is not None and held is not None:
+        cap, m = held
         if max_context > cap:
             # The incident's misconfiguration: the declared context promises more than
             # the pool holds. Both numbers, so operators can act on the line alone.
@@ -290,6 +307,7 @@ def derive_limits(
             f"no fresh capacity measurement of {', '.join(unknown_labels)}",
             declared_context=max_context,
             measured_limit_tokens=measured_limit,
+            measured_why=measured_why,
             margin_tokens=margin_tokens,
             unknown_engines=unknown_labels,
             warnings=tuple(warnings),
@@ -352,8 +370,40 @@ def derive_limits(
             max(0, min(dec_prompt) - margin_tokens) if dec_prompt and decode_best else None
         ),
         measured_limit_tokens=measured_limit,
+        measured_why=measured_why,
         margin_tokens=margin_tokens,
         unknown_engines=unknown_labels,
         fallback_used=fallback_used,
         warnings=tuple(warnings),
+    )
+
+
+class LimitSettings(Protocol):
+    """The settings the limits depend on (kvproxy.config.Settings has them; so do the
+    release gate's options, copied from the same settings)."""
+
+    @property
+    def max_context(self) -> int | None: ...
+
+    @property
+    def limit_margin_tokens(self) -> int: ...
+
+    @property
+    def capacity_fallback_limit_tokens(self) -> int | None: ...
+
+
+def limits_for(
+    settings: LimitSettings,
+    measurements: Iterable[EngineMeasurement],
+    unknown: Mapping[str, Role] | None = None,
+) -> Limits:
+    """The limits the proxy enforces for these measurements under these settings: the one
+    call the capacity monitor (fresh measurements, unknown = the rest) and `kvproxy check`
+    (what it measured, unknown = what it could not) both make."""
+    return derive_limits(
+        measurements,
+        max_context=settings.max_context,
+        margin_tokens=settings.limit_margin_tokens,
+        unknown=unknown,
+        fallback_limit_tokens=settings.capacity_fallback_limit_tokens,
     )

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 
 from kvproxy.capacity.discovery import Resolver, expand_engine, system_resolver
-from kvproxy.capacity.limits import Limits, derive_limits
+from kvproxy.capacity.limits import Limits, limits_for
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError, Role
 from kvproxy.capacity.probes import probe_engine
 from kvproxy.config import EngineSpec, Settings
@@ -306,13 +306,7 @@ class CapacityMonitor:
                 fresh.append(st.measurement)
             else:
                 unknown[st.label] = st.spec.role
-        return derive_limits(
-            fresh,
-            max_context=self._settings.max_context,
-            margin_tokens=self._settings.limit_margin_tokens,
-            unknown=unknown,
-            fallback_limit_tokens=self._settings.capacity_fallback_limit_tokens,
-        )
+        return limits_for(self._settings, fresh, unknown)
 
     def _recompute(self, now: float) -> None:
         stale_s = self._settings.capacity_stale_s

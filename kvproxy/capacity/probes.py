@@ -16,9 +16,12 @@ import aiohttp
 
 from kvproxy.capacity.limits import static_limits
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError
+from kvproxy.capacity.reports import probe_error_from_exception
 from kvproxy.capacity.sglang import probe_sglang
 from kvproxy.capacity.vllm import probe_vllm
 from kvproxy.config import EngineSpec
+from kvproxy.errors import UpstreamFailure
+from kvproxy.netio import network_boundary
 
 
 def measure_static(spec: EngineSpec, *, measured_at: float | None = None) -> EngineMeasurement:
@@ -50,9 +53,16 @@ async def probe_engine(
     if spec.kind == "static":
         return measure_static(spec)
     try:
-        async with asyncio.timeout(timeout_s):
-            if spec.kind == "sglang":
-                return await probe_sglang(session, spec, timeout_s)
-            return await probe_vllm(session, spec, timeout_s)
-    except TimeoutError:
-        raise ProbeError("timeout", f"{spec.label} did not answer within {timeout_s:g} s") from None
+        # The overall deadline's TimeoutError leaves through the seam like any other
+        # network failure; each fetch inside maps its own failures to ProbeErrors already.
+        with network_boundary():
+            async with asyncio.timeout(timeout_s):
+                if spec.kind == "sglang":
+                    return await probe_sglang(session, spec, timeout_s)
+                return await probe_vllm(session, spec, timeout_s)
+    except UpstreamFailure as failure:
+        if failure.kind == "timeout":
+            raise ProbeError(
+                "timeout", f"{spec.label} did not answer within {timeout_s:g} s"
+            ) from None
+        raise probe_error_from_exception(failure, spec.url) from None

@@ -14,7 +14,6 @@ Bodies are described, never quoted at length.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -197,13 +196,6 @@ def looks_like_prometheus(text: str) -> bool:
         if m is not None and m.end() < len(line) and line[m.end()] in "{ \t":
             return True
     return False
-
-
-def as_token_count(value: float, what: str) -> int:
-    """A gauge value that must be a positive whole number of tokens."""
-    if math.isnan(value) or math.isinf(value) or value != int(value) or value < 1:
-        raise ProbeError("bad_value", f"{what} = {value!r} is not a positive token count")
-    return int(value)
 
 
 # --- typed fields ----------------------------------------------------------------------

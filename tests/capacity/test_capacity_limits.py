@@ -14,10 +14,13 @@ from hypothesis import strategies as st
 from kvproxy.capacity import (
     EngineMeasurement,
     derive_limits,
+    held_context,
+    limits_for,
     sglang_limits,
     static_limits,
     vllm_limits,
 )
+from kvproxy.config import Settings
 
 
 def sglang_accepts(prompt_len: int, *, pool: int, context: int) -> bool:
@@ -335,3 +338,40 @@ def test_prefill_context_check_bounds_the_decode_side() -> None:
     assert lim.decode_binding_engine == "p"
     alone = derive_limits([prefill], max_context=None)
     assert alone.decode_limit_tokens == 8175
+
+
+# --- limits_for and held_context: the inputs the monitor and the gate share ---------------
+
+
+def test_limits_for_applies_the_settings_margin_and_fallback() -> None:
+    ms = [m("p:1", "prefill", 5315, pool=5322, context=8192)]
+    s = Settings(max_context=8192, limit_margin_tokens=15, capacity_fallback_limit_tokens=4000)
+    lim = limits_for(s, ms, {"d:2": "decode"})
+    # 5,315 measured minus the 15-token margin; the unmeasured decode stands in at 4,000.
+    assert (lim.known, lim.admission_limit_tokens, lim.margin_tokens) == (True, 5300, 15)
+    assert lim.fallback_used
+    assert lim.decode_limit_tokens == 4000 - 15
+    # The safe value ignores margin and declared context: what the engine holds.
+    assert (lim.measured_limit_tokens, lim.measured_why) == (
+        5315,
+        "measured prefill KV pool of p:1",
+    )
+    assert lim == derive_limits(
+        ms,
+        max_context=8192,
+        margin_tokens=15,
+        unknown={"d:2": "decode"},
+        fallback_limit_tokens=4000,
+    )
+
+
+def test_held_context_is_the_smaller_of_pool_and_context_of_measured_admitters() -> None:
+    ms = [
+        m("p:1", "prefill", 5315, pool=5322, context=8192),
+        m("u:2", "unified", 4089, pool=10_000, context=4096),
+        m("d:3", "decode", 100, pool=107, context=8192),  # decode admits nothing
+        m("s:4", "prefill", 50, kind="static", pool=50),  # declared, not held
+    ]
+    cap, engine = held_context(ms) or (0, None)
+    assert (cap, engine and engine.engine) == (4096, "u:2")
+    assert held_context([ms[2], ms[3]]) is None

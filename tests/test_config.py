@@ -1,0 +1,69 @@
+"""`load_settings`: one loader, the config file as an argument, the environment read and
+never written (serve, demo and check all load through it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvproxy.cli import _settings_from, build_parser
+from kvproxy.config import ConfigError, load_settings
+from kvproxy.gate_cli import options_from
+
+
+def write_config(path: Path) -> Path:
+    path.write_text(
+        "max_context: 8192\n"
+        "limit_margin_tokens: 15\n"
+        "engines:\n"
+        "  - {url: 'http://127.0.0.1:9', role: unified, kind: sglang}\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("KVPROXY_")]:
+        monkeypatch.delenv(key)
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_file_then_environment_then_overrides_and_the_environment_is_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = write_config(tmp_path / "kvproxy.yaml")
+    monkeypatch.setenv("KVPROXY_LIMIT_MARGIN_TOKENS", "20")  # the environment beats the file
+    before = dict(os.environ)
+    s = load_settings(config_path=config, overrides={"max_context": 4096, "tokenizer": None})
+    assert dict(os.environ) == before
+    assert s.max_context == 4096  # the override beats the file
+    assert s.limit_margin_tokens == 20
+    assert [e.url for e in s.engines] == ["http://127.0.0.1:9"]
+    assert s.tokenizer == "bytes"  # None means "not given"
+    # The file was an argument of that call only: the next load does not see it.
+    assert load_settings().engines == ()
+    assert load_settings(max_context=100).max_context == 100  # keyword overrides still work
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_an_unreadable_config_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"absent\.yaml"):
+        load_settings(config_path=tmp_path / "absent.yaml")
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_serve_and_check_read_config_without_setting_the_environment(tmp_path: Path) -> None:
+    """The old CLI and gate wrote KVPROXY_CONFIG into os.environ to reach the loader."""
+    config = str(write_config(tmp_path / "kvproxy.yaml"))
+    before = dict(os.environ)
+    serve = build_parser(["serve"]).parse_args(["serve", "--config", config])
+    settings = _settings_from(serve)
+    assert settings.max_context == 8192
+    check = build_parser(["check"]).parse_args(["check", "--config", config])
+    opts = options_from(check)
+    assert (opts.max_context, opts.limit_margin_tokens) == (8192, 15)
+    assert dict(os.environ) == before
+    assert "KVPROXY_CONFIG" not in os.environ
