@@ -30,7 +30,7 @@ from kvproxy.proxy import STATE_KEY, handle
 from kvproxy.state import ServerState
 from kvproxy.tenants import TenantResolver
 from kvproxy.tokens import TokenCounter, build_counter
-from kvproxy.watch import DisconnectWatcher, LoopLagMonitor
+from kvproxy.watch import DisconnectWatcher, LoopLagMonitor, release_heap, settle_heap
 
 log = logging.getLogger("kvproxy.app")
 
@@ -121,6 +121,7 @@ class KvproxyServer:
         await capacity.start()
         await state.budget.start()
         state.watcher.start()
+        settle_heap()  # before the lag monitor's first tick: start-up garbage is not a stall
         state.lag.start()
 
         self._admin = web.AppRunner(self._admin_app(), access_log=None)
@@ -242,6 +243,7 @@ class KvproxyServer:
         if self._admin is not None:
             await self._admin.cleanup()
         self._state = None
+        release_heap()
 
 
 class _HeaderDeadline:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 
 from aiohttp import web
@@ -86,6 +87,29 @@ class DisconnectWatcher(_Background):
 def _gone(request: web.BaseRequest) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
+
+
+def settle_heap() -> int:
+    """Collect what start-up left behind, then freeze what survives (gc.freeze); returns the
+    number of frozen objects.
+
+    Why: a full collection walks every tracked object and runs the finalisers of whatever it
+    frees, on the loop's thread. Dropping a tokenizer (a counter built and discarded while
+    starting) costs ~22 ms here, and a full collection of a served process's heap (tokenizer,
+    compiled templates, settings: ~52 k objects) ~5.6 ms. Objects alive when serving starts
+    live as long as the process, so they leave the collector's reach; later collections
+    cost what requests allocate, not what the process holds.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def release_heap() -> None:
+    """Undo `settle_heap` when serving stops: what was frozen is collectable again, so a
+    process that starts and stops servers (the tests, `kvproxy demo`) does not keep the
+    cycles of every stopped one."""
+    gc.unfreeze()
 
 
 class LoopLagMonitor(_Background):
