@@ -29,9 +29,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvproxy.config import ConfigError, Settings
+from kvproxy.counts import CountMethod, TokenCount
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
-from kvproxy.tokens.counter import CountMethod, TokenCount, TokenCounter
+from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.engine import (
     EngineTokenize,
     EngineTokenizer,
