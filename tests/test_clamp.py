@@ -14,9 +14,9 @@ import orjson
 import pytest
 from aiohttp import web
 from kvtest import FakeUpstream, running_proxy, static_engines
+from tokenizer_files import real_tokenizer_dir
 
 from kvproxy.prompt import parse_request
-from kvproxy.tokens.testing import real_tokenizer_dir
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
 BIG = 50_000  # asks for more than the 3,000-token decode pool can hold
