@@ -26,15 +26,20 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import orjson
 
 from kvproxy.config import Settings
 from kvproxy.prompt import parse_request
 from kvproxy.tokens import TokenCount, TokenCounter, build_counter
-from kvproxy.tokens.testing import real_tokenizer_dir
+
+# The real tokenizers the tests use (tests/tokenizer_files.py: test support, not the package).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tokenizer_files import real_tokenizer_dir
 
 NEAR_LIMIT_BYTES = 4 * 1024 * 1024
 

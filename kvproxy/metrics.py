@@ -10,8 +10,11 @@ one process without colliding.
 
 from __future__ import annotations
 
+from typing import get_args
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvproxy.counts import CountMethod
 from kvproxy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
 
 # Seconds: a 1M-token prefill can take minutes; default buckets stop at 10 s.
@@ -30,7 +33,7 @@ REDIS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
                  0.5, 1)  # fmt: skip
 QUEUE_SECONDS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
-COUNT_METHODS = ("bound", "exact", "engine")
+COUNT_METHODS: tuple[CountMethod, ...] = get_args(CountMethod)
 # What TokenCounter.backend can be: the library that counts exactly, or the method.
 TOKENIZER_BACKENDS = ("fastokens", "hf", "tiktoken", "engine", "bytes")
 REDIS_UNAVAILABLE_POLICIES = ("local_share", "reject")

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -171,7 +170,7 @@ async def _handle(
             rec.decision = "abandoned"
             return None
         if lease.waited_s > 0:
-            again = _recheck(state, shape, verdict)
+            again = admission.recheck(verdict, state.capacity.limits(), _policy(state))
             if isinstance(again, admission.Reject):
                 lease.release()
                 return _reject(state, rec, again.error, style, extra)
@@ -221,10 +220,13 @@ async def _admit(
         shape = parse_request(route, body)
     except KvproxyError as err:
         return err
+    policy = _policy(state)
     t0 = time.perf_counter()
     try:
         count = await state.counter.count(
-            shape, _admit_at_most(state, shape, limits), _charge_at_most(state, shape)
+            shape,
+            admission.count_ceiling(shape, limits, policy),
+            admission.charge_ceiling(state.budget.max_tokens, shape),
         )
     except KvproxyError as err:
         return err
@@ -234,120 +236,15 @@ async def _admit(
     rec.prompt_tokens = count.tokens
     rec.count_method = count.method
     rec.prompt_tokens_kind = count.kind
-    verdict = _decide(
-        state,
-        shape,
-        count.tokens,
-        count.total_tokens,
-        count.method,
-        count.exact,
-        limits,
-        at_least=count.at_least,
-    )
+    verdict = admission.decide(count, shape, limits, policy)
     if isinstance(verdict, admission.Reject):
         return verdict.error
     return shape, verdict
 
 
-def _recheck(
-    state: ServerState, shape: PromptShape, verdict: admission.Admit
-) -> admission.Decision:
-    """I1/I4 at send time: the limits can fall while a request queues for budget (an engine
-    restarted onto a smaller pool), so the decision is taken again on today's limits."""
-    return _decide(
-        state,
-        shape,
-        verdict.prompt_tokens,
-        verdict.total,
-        verdict.method,
-        verdict.method != "bound",
-        state.capacity.limits(),
-    )
-
-
-def _decide(
-    state: ServerState,
-    shape: PromptShape,
-    tokens: int,
-    total_tokens: int,
-    method: admission.CountMethod,
-    exact: bool,
-    limits: admission.LimitsView,
-    *,
-    at_least: bool = False,
-) -> admission.Decision:
-    count = admission.PromptCount(
-        tokens=tokens,
-        method=method,
-        exact=exact,
-        output_tokens=shape.max_output_tokens,
-        n=shape.n,
-        param=shape.prompt_param,
-        total_tokens=total_tokens,
-        at_least=at_least,
-    )
+def _policy(state: ServerState) -> admission.Policy:
     s = state.settings
-    if not shape.generates:
-        # Prompt-only routes (embeddings, rerank, ...) generate nothing: I1 applies, I4 not.
-        limits = _PromptOnly(limits)
-    return admission.decide(
-        count, limits, admission.Policy(s.decode_policy, s.default_output_tokens)
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _PromptOnly:
-    """The limits with no decode side, for requests that generate no tokens."""
-
-    inner: admission.LimitsView
-
-    @property
-    def known(self) -> bool:
-        return self.inner.known
-
-    @property
-    def admission_limit_tokens(self) -> int | None:
-        return self.inner.admission_limit_tokens
-
-    @property
-    def decode_limit_tokens(self) -> int | None:
-        return None
-
-    @property
-    def decode_prompt_limit_tokens(self) -> int | None:
-        return None
-
-    @property
-    def source(self) -> str:
-        return self.inner.source
-
-    @property
-    def why(self) -> str:
-        return self.inner.why
-
-
-def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.LimitsView) -> int:
-    """The largest count that could still be admitted, so the counter tokenizes exactly
-    whenever its cheap bound would fail either check (I1 on prefill, I4 on decode)."""
-    limit = limits.admission_limit_tokens or 0
-    decode = limits.decode_limit_tokens
-    if decode is not None and shape.generates and state.settings.decode_policy == "reject":
-        out = shape.max_output_tokens
-        if out is None:
-            out = state.settings.default_output_tokens
-        prompt_only = limits.decode_prompt_limit_tokens
-        if out == 0 and prompt_only is not None:
-            limit = min(limit, max(prompt_only, decode))  # admission.decide's two checks
-        else:
-            limit = min(limit, decode - out * max(shape.n, 1))
-    return max(limit, 0)
-
-
-def _charge_at_most(state: ServerState, shape: PromptShape) -> int | None:
-    """The largest batch total the budget could ever lend, so the counter tokenizes exactly
-    rather than refuse a batch whose summed bound, not its real size, is over the budget."""
-    max_tokens = state.budget.max_tokens
-    return None if max_tokens is None else max_tokens // max(shape.n, 1)
+    return admission.Policy(s.decode_policy, s.default_output_tokens)
 
 
 def _reject(

@@ -1,5 +1,6 @@
 """The sans-IO admission decision: I1 (never above the limit), I3 (unknown refuses), I4
-(decode budget), and the error bodies users see."""
+(decode budget), the clamp, prompt-only routes, the re-check after queueing, the counter's
+ceiling (exactly the largest count `decide` admits), and the error bodies users see."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy.admission import Admit, Policy, PromptCount, Reject, decide, precheck
+from kvproxy import admission
+from kvproxy.admission import Admit, Policy, Reject, precheck
+from kvproxy.counts import TokenCount
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,31 @@ class L:
     why: str = "measured prefill KV pool of prefill-0"
 
 
-def count(tokens: int, *, exact: bool = True, out: int | None = None, n: int = 1) -> PromptCount:
-    return PromptCount(tokens, "exact" if exact else "bound", exact, out, n, "messages")
+@dataclass(frozen=True)
+class Shape:
+    max_output_tokens: int | None = None
+    n: int = 1
+    prompt_param: str = "messages"
+    generates: bool = True
+
+
+Ask = tuple[TokenCount, Shape]
+
+
+def count(
+    tokens: int,
+    *,
+    exact: bool = True,
+    out: int | None = None,
+    n: int = 1,
+    generates: bool = True,
+) -> Ask:
+    method = "exact" if exact else "bound"
+    return TokenCount(tokens, method, exact, tokens), Shape(out, n, generates=generates)
+
+
+def decide(ask: Ask, limits: L, policy: Policy) -> admission.Decision:
+    return admission.decide(ask[0], ask[1], limits, policy)
 
 
 def test_admits_at_the_limit_and_rejects_one_above() -> None:
@@ -147,3 +173,102 @@ def test_no_output_needs_only_the_decode_engines_input_limit() -> None:
     # Without the decode engines' input limit the sum alone decides (never more lenient).
     strict = L(admission_limit_tokens=5_305, decode_limit_tokens=5_280)
     assert isinstance(decide(count(5_305, out=0), strict, Policy()), Reject)
+
+
+def test_prompt_only_routes_ignore_the_decode_pool() -> None:
+    # Embeddings generate nothing: I1 decides, I4 does not (a full decode pool is no reason).
+    limits = L(admission_limit_tokens=5_000, decode_limit_tokens=100)
+    assert isinstance(decide(count(5_000, generates=False), limits, Policy()), Admit)
+    assert isinstance(decide(count(5_001, generates=False), limits, Policy()), Reject)
+    assert isinstance(decide(count(5_000), limits, Policy()), Reject)
+    shape = Shape(generates=False)
+    assert admission.count_ceiling(shape, limits, Policy()) == 5_000
+
+
+def test_recheck_on_shrunk_limits_rejects_and_keeps_the_counts_exactness() -> None:
+    first = decide(count(4_000, exact=False), L(admission_limit_tokens=5_000), Policy())
+    assert isinstance(first, Admit)
+    shrunk = L(admission_limit_tokens=3_000, decode_limit_tokens=None)
+    again = admission.recheck(first, shrunk, Policy())
+    assert isinstance(again, Reject)
+    assert again.error.reason != "decode_budget"
+    # The verdict carries the count: a bound stays a bound (the hint names the tokenizer).
+    assert "byte bound" in again.error.message
+    exact = decide(count(4_000), L(admission_limit_tokens=5_000), Policy())
+    assert isinstance(exact, Admit)
+    again = admission.recheck(exact, shrunk, Policy())
+    assert isinstance(again, Reject)
+    assert "byte bound" not in again.error.message
+
+
+def test_recheck_clamps_to_the_decode_pool_that_holds_at_send_time() -> None:
+    policy = Policy(decode_policy="clamp")
+    ask = count(1_000, out=2_000)
+    first = decide(ask, L(admission_limit_tokens=5_000, decode_limit_tokens=10_000), policy)
+    assert isinstance(first, Admit)
+    assert first.clamped_output_tokens is None
+    again = admission.recheck(
+        first, L(admission_limit_tokens=5_000, decode_limit_tokens=2_000), policy
+    )
+    assert isinstance(again, Admit)
+    assert again.clamped_output_tokens == 1_000
+
+
+def test_charge_ceiling_is_the_budget_per_sample() -> None:
+    assert admission.charge_ceiling(None, Shape(n=4)) is None
+    assert admission.charge_ceiling(10_001, Shape(n=4)) == 2_500
+    assert admission.charge_ceiling(10_001, Shape(n=0)) == 10_001
+
+
+def test_clamp_ceiling_admits_what_a_clamp_can_serve() -> None:
+    # Under clamp a prompt up to decode - n is served (one token per sample at least): the
+    # counter must not admit a larger bound, nor tokenize below that size.
+    limits = L(admission_limit_tokens=5_000, decode_limit_tokens=3_000)
+    shape = Shape(max_output_tokens=2_000, n=2)
+    policy = Policy(decode_policy="clamp")
+    assert admission.count_ceiling(shape, limits, policy) == 2_998
+    assert admission.count_ceiling(shape, limits, Policy()) == 0
+
+
+@given(
+    limit=st.integers(0, 20_000),
+    decode=st.one_of(st.none(), st.integers(0, 20_000)),
+    prompt_only=st.one_of(st.none(), st.integers(0, 20_000)),
+    out=st.one_of(st.none(), st.integers(0, 5_000)),
+    n=st.integers(0, 8),
+    generates=st.booleans(),
+    clamp=st.booleans(),
+    default_out=st.integers(0, 16),
+)
+def test_the_ceiling_is_exactly_the_largest_admitted_count(
+    limit: int,
+    decode: int | None,
+    prompt_only: int | None,
+    out: int | None,
+    n: int,
+    generates: bool,
+    clamp: bool,
+    default_out: int,
+) -> None:
+    limits = L(
+        admission_limit_tokens=limit,
+        decode_limit_tokens=decode,
+        decode_prompt_limit_tokens=prompt_only,
+    )
+    policy = Policy("clamp" if clamp else "reject", default_out)
+    shape = Shape(out, n, generates=generates)
+    ceiling = admission.count_ceiling(shape, limits, policy)
+
+    def admits(tokens: int) -> bool:
+        got = admission.decide(TokenCount(tokens, "exact", True, tokens), shape, limits, policy)
+        return isinstance(got, Admit)
+
+    if admits(0):
+        # Everything up to the ceiling is admitted, nothing above it: the counter admits on
+        # a bound exactly when decide would.
+        assert admits(ceiling)
+        assert not admits(ceiling + 1)
+        for tokens in {ceiling // 2, max(ceiling - 1, 0)}:
+            assert admits(tokens)
+    else:
+        assert ceiling == 0  # nothing is admitted: any count is tokenized, then refused

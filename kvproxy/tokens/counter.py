@@ -35,9 +35,10 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from kvproxy import errors
+from kvproxy.counts import CountMethod, TokenCount
 from kvproxy.errors import KvproxyError
 from kvproxy.prompt import CHAT_ROUTES, PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
@@ -47,10 +48,6 @@ from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest
 from kvproxy.tokens.local import EarlyStopping, LocalTokenizer, Partial
 from kvproxy.tokens.templates import ChatTemplate
 
-CountMethod = Literal["bound", "exact", "engine"]
-# What `TokenCount.tokens` is: the exact count, a guaranteed upper bound, or a lower bound
-# (counting stopped once it was over the limit). The X-Kvproxy-Prompt-Tokens-Kind header.
-CountKind = Literal["exact", "upper-bound", "lower-bound"]
 T = TypeVar("T")
 
 # Shapes up to this many characters (and messages) are planned on the event loop: the worst
@@ -62,28 +59,6 @@ INLINE_MESSAGES = 64
 UNKNOWN_SPECIAL_TOKENS = 8
 # Niceness of the counting threads (only ever raised: needs no privilege).
 WORKER_NICE = 10
-
-
-@dataclass(frozen=True, slots=True)
-class TokenCount:
-    """`tokens` is the largest per-sequence count used for the decision (bound or exact);
-    `total_tokens` is the sum over every sequence of the same counts: what the engine holds
-    for the batch, which the in-flight budget charges (the limit is checked per sequence)."""
-
-    tokens: int
-    method: CountMethod
-    exact: bool
-    total_tokens: int
-    # The guaranteed bound computed first (== tokens when method is "bound").
-    bound: int | None = None
-    # Counting stopped once over admit_at_most: the prompt has at least `tokens` tokens.
-    at_least: bool = False
-
-    @property
-    def kind(self) -> CountKind:
-        if self.at_least:
-            return "lower-bound"
-        return "exact" if self.exact else "upper-bound"
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,6 @@ from kvproxy.tokens.sandbox import Sandbox as _Sandbox
 from kvproxy.tokens.sandbox import environment as _environment
 from kvproxy.tokens.sandbox import tojson as _tojson
 
-TEMPLATE_FILES = ("chat_template.jinja",)
 # Strings at least this long are rendered as placeholders (see module docstring).
 BIG_CHARS = 65_536
 # Filters that never look inside a string: everything else refuses a placeholder.

@@ -23,10 +23,10 @@ from hostile_support import NFC_EXPANDERS, PATHS, ROUTES, SECRET, hostile_body, 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtest import FakeUpstream, running_proxy, static_engines, wait_until
+from tokenizer_files import real_tokenizer_dir
 
 from kvproxy.prompt import Route, parse_request, route_for_path
 from kvproxy.sim.launcher import SimCluster, SimOptions
-from kvproxy.tokens.testing import real_tokenizer_dir
 
 LIMIT = 4096  # static prefill capacity; the admission limit equals it
 DECODE = 8192

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenizer_files import cache_root
+
 from kvproxy.tokens.chatnorm import ContentFormat, EngineKind, engine_messages, engine_tools
-from kvproxy.tokens.testing import cache_root
 
 # One line per template from the differential suite, for the terminal summary (conftest).
 REPORT: dict[str, str] = {}

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from chat_reference import REPORT
+from tokenizer_files import cache_root, real_tokenizer_dir
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from kvproxy.tokens.local import HfTokenizer, load_hf
-from kvproxy.tokens.testing import cache_root, real_tokenizer_dir
 
 REAL_MODELS = ("qwen-3", "glm-4", "deepseek-v3")
 

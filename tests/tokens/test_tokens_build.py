@@ -8,12 +8,12 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+from tokenizer_files import package_data_dir, real_tokenizer_dir
 
 from kvproxy.config import ConfigError, EngineSpec, Settings
 from kvproxy.prompt import parse_request
 from kvproxy.tokens import build_counter
 from kvproxy.tokens.engine import EngineTokenizer
-from kvproxy.tokens.testing import package_data_dir, real_tokenizer_dir
 
 CHAT = orjson.dumps({"messages": [{"role": "user", "content": "Hello there, world"}]})
 
@@ -89,7 +89,7 @@ async def test_engine_mode_needs_an_engine_and_a_session() -> None:
     with pytest.raises(ConfigError):
         build_counter(s)
     async with aiohttp.ClientSession() as session:
-        c = build_counter(s, session=session, capacity=object())
+        c = build_counter(s, session=session)
         try:
             assert "127.0.0.1:2/tokenize" in c.describe()  # a prefill engine first
             engine = c._engine

@@ -15,13 +15,13 @@ from typing import TypeVar
 
 import orjson
 import pytest
+from tokenizer_files import real_tokenizer_dir
 
 from kvproxy.config import Settings
 from kvproxy.errors import KvproxyError
 from kvproxy.metrics import Metrics
 from kvproxy.prompt import parse_request
 from kvproxy.tokens import TokenCount, TokenCounter, build_counter
-from kvproxy.tokens.testing import real_tokenizer_dir
 from kvproxy.watch import LoopLagMonitor, release_heap, settle_heap
 
 T = TypeVar("T")
