@@ -30,6 +30,7 @@ from kvproxy.clamp import clamp_output
 from kvproxy.errors import ErrorStyle, KvproxyError, error_response
 from kvproxy.headers import filter_headers
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
+from kvproxy.models import ModelServices
 from kvproxy.prompt import PromptShape, Route, parse_request
 from kvproxy.relay import Exchange
 from kvproxy.routes import RouteMatch, route_table
@@ -143,6 +144,7 @@ async def _handle(
 
     streaming = False
     lease = None
+    upstream = s.upstream
     if route is not None:
         if request.method != "POST":
             return _reject(state, rec, errors.method_not_allowed(request.method), style)
@@ -158,7 +160,12 @@ async def _handle(
         # The answer must come back uncompressed: the tripwire, the SSE reader and the usage
         # drift check read its bytes, and compressed bytes would hide a foreign marker.
         headers["Accept-Encoding"] = "identity"
-        decided = await _admit(state, route, body, rec)
+        # The model the request names picks the capacity, counter and budget (kvproxy.models).
+        svc = state.models.for_request(body)
+        if isinstance(svc, KvproxyError):
+            return _reject(state, rec, svc, style)
+        upstream = svc.upstream
+        decided = await _admit(state, svc, route, body, rec)
         if isinstance(decided, KvproxyError):
             return _reject(state, rec, decided, style)
         shape, verdict = decided
@@ -168,7 +175,7 @@ async def _handle(
         extra["X-Kvproxy-Prompt-Tokens-Kind"] = rec.prompt_tokens_kind or "exact"
         try:
             # The budget holds what the engines will hold: every sequence, every sample.
-            lease = await state.budget.acquire(charge_tokens(verdict.total, shape.n))
+            lease = await svc.budget.acquire(charge_tokens(verdict.total, shape.n))
         except KvproxyError as err:
             return _reject(state, rec, err, style, extra)
         rec.decision = "admitted"
@@ -178,7 +185,7 @@ async def _handle(
             rec.decision = "abandoned"
             return None
         if lease.waited_s > 0:
-            again = _recheck(state, shape, verdict)
+            again = _recheck(state, svc, shape, verdict)
             if isinstance(again, admission.Reject):
                 lease.release()
                 return _reject(state, rec, again.error, style, extra)
@@ -204,7 +211,7 @@ async def _handle(
         style=style,
     )
     try:
-        url = s.upstream + request.rel_url.raw_path_qs
+        url = upstream + request.rel_url.raw_path_qs
         resp = await exchange.run(request.method, url, headers, body)
     finally:
         # I6: the budget comes back only now, when the upstream connection is closed.
@@ -223,10 +230,10 @@ def _client_gone(request: web.Request) -> bool:
 
 
 async def _admit(
-    state: ServerState, route: Route, body: bytes, rec: AccessRecord
+    state: ServerState, svc: ModelServices, route: Route, body: bytes, rec: AccessRecord
 ) -> tuple[PromptShape, admission.Admit] | KvproxyError:
-    limits = state.capacity.limits()
-    pre = admission.precheck(limits, state.capacity.retry_after_s(), "no fresh measurement")
+    limits = svc.capacity.limits()
+    pre = admission.precheck(limits, svc.capacity.retry_after_s(), "no fresh measurement")
     if pre is not None:
         return pre.error
     try:
@@ -235,8 +242,8 @@ async def _admit(
         return err
     t0 = time.perf_counter()
     try:
-        count = await state.counter.count(
-            shape, _admit_at_most(state, shape, limits), _charge_at_most(state, shape)
+        count = await svc.counter.count(
+            shape, _admit_at_most(state, shape, limits), _charge_at_most(svc, shape)
         )
     except KvproxyError as err:
         return err
@@ -262,7 +269,7 @@ async def _admit(
 
 
 def _recheck(
-    state: ServerState, shape: PromptShape, verdict: admission.Admit
+    state: ServerState, svc: ModelServices, shape: PromptShape, verdict: admission.Admit
 ) -> admission.Decision:
     """I1/I4 at send time: the limits can fall while a request queues for budget (an engine
     restarted onto a smaller pool), so the decision is taken again on today's limits."""
@@ -273,7 +280,7 @@ def _recheck(
         verdict.total,
         verdict.method,
         verdict.method != "bound",
-        state.capacity.limits(),
+        svc.capacity.limits(),
     )
 
 
@@ -355,10 +362,10 @@ def _admit_at_most(state: ServerState, shape: PromptShape, limits: admission.Lim
     return max(limit, 0)
 
 
-def _charge_at_most(state: ServerState, shape: PromptShape) -> int | None:
+def _charge_at_most(svc: ModelServices, shape: PromptShape) -> int | None:
     """The largest batch total the budget could ever lend, so the counter tokenizes exactly
     rather than refuse a batch whose summed bound, not its real size, is over the budget."""
-    max_tokens = state.budget.max_tokens
+    max_tokens = svc.budget.max_tokens
     return None if max_tokens is None else max_tokens // max(shape.n, 1)
 
 
