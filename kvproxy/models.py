@@ -204,4 +204,3 @@ async def build_table(
         default_model=settings.default_model,
         readiness=settings.readiness,
     )
-
