@@ -27,4 +27,5 @@ def test_two_models_compose_with_each_overlay(tmp_path: Path, overlay: str) -> N
     ]
     urls = [{e.url for e in ms.engines} for _, ms in entries]
     assert not urls[0] & urls[1]  # each model measured on its own engines
-    assert settings.default_model == "Qwen/Qwen3-8B" and settings.readiness == "any"
+    assert settings.default_model == "Qwen/Qwen3-8B"
+    assert settings.readiness == "any"

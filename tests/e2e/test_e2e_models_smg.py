@@ -188,8 +188,11 @@ async def test_two_models_behind_smg_each_at_its_own_limit_with_its_own_tokenize
         assert prefill["prompt_tokens"] == 2 * limits[name] - 1
         assert prefill["rejections_at_admission"] == 0
         assert leak_counters(truth[name]) == dict.fromkeys(leak_counters(truth[name]), 0)
-    assert cross[0] == 400 and cross[2]["error"]["limit_tokens"] == limits["model-a"]
-    assert unknown[0] == 404 and unknown[2]["error"]["code"] == "model_not_found"
-    assert down[0] == 503 and down[2]["error"]["code"] == "capacity_unknown"
+    assert cross[0] == 400
+    assert cross[2]["error"]["limit_tokens"] == limits["model-a"]
+    assert unknown[0] == 404
+    assert unknown[2]["error"]["code"] == "model_not_found"
+    assert down[0] == 503
+    assert down[2]["error"]["code"] == "capacity_unknown"
     assert up[0] == 200, up[2]
     assert ready == 200  # readiness: any
