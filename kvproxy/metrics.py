@@ -34,6 +34,11 @@ COUNT_METHODS = ("bound", "exact", "engine")
 # What TokenCounter.backend can be: the library that counts exactly, or the method.
 TOKENIZER_BACKENDS = ("fastokens", "hf", "tiktoken", "engine", "bytes")
 REDIS_UNAVAILABLE_POLICIES = ("local_share", "reject")
+# The `model` label's values: a configured model's name (kvproxy.models), this one for the
+# single-model form (it matches every name), and one bounded value for a request no
+# configured model was resolved for (an unknown name, a pass-through or refused route).
+SINGLE_MODEL = "default"
+UNKNOWN_MODEL = "_unknown"
 
 
 class Metrics:
@@ -46,8 +51,8 @@ class Metrics:
         # "refused" (kvproxy.routes.RouteMatch.label); never a path.
         self.requests_total = Counter(
             "kvproxy_requests_total",
-            "Requests handled, by route and admission decision.",
-            ["route", "decision"],
+            "Requests handled, by route, admission decision and model.",
+            ["route", "decision", "model"],
             registry=r,
         )
         self.responses_total = Counter(
@@ -114,23 +119,27 @@ class Metrics:
         )
         self.admission_limit = Gauge(
             "kvproxy_admission_limit_tokens",
-            "Largest prompt that is admitted (inclusive); 0 while capacity is unknown.",
+            "Largest prompt that is admitted (inclusive), by model; 0 while capacity is unknown.",
+            ["model"],
             registry=r,
         )
         self.decode_limit = Gauge(
             "kvproxy_decode_limit_tokens",
             "Largest prompt + output the engines serve in full, neither refused nor cut "
-            "(inclusive); 0 while unknown.",
+            "(inclusive), by model; 0 while unknown.",
+            ["model"],
             registry=r,
         )
         self.declared_context = Gauge(
             "kvproxy_declared_context_tokens",
-            "Context length declared in configuration (KVPROXY_MAX_CONTEXT); 0 if unset.",
+            "Context length declared in configuration (max_context), by model; 0 if unset.",
+            ["model"],
             registry=r,
         )
         self.capacity_known = Gauge(
             "kvproxy_capacity_known",
-            "1 when every engine has a fresh measurement, else 0.",
+            "1 when every engine of the model has a fresh measurement, else 0.",
+            ["model"],
             registry=r,
         )
         self.capacity_last_success = Gauge(
@@ -168,8 +177,8 @@ class Metrics:
         # --- admission --------------------------------------------------------------------
         self.rejections = Counter(
             "kvproxy_rejections_total",
-            "Requests refused before reaching the router, by reason.",
-            ["reason"],
+            "Requests refused before reaching the router, by reason and model.",
+            ["reason", "model"],
             registry=r,
         )
         self.prompt_tokens = Histogram(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvproxy import errors
 from kvproxy.errors import KvproxyError
+from kvproxy.metrics import SINGLE_MODEL, UNKNOWN_MODEL
 from kvproxy.prompt_shape import _load
 
 if TYPE_CHECKING:
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from kvproxy.config import Settings
     from kvproxy.tokens import TokenCounter
 
-# The name the single-model form is shown under (/capacity, the release record).
-SINGLE_MODEL = "default"
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,12 @@ class ModelTable:
     def names(self) -> tuple[str, ...]:
         """Configured names (not aliases): the only values of a `model` metric label."""
         return tuple(m.name for m in self.models)
+
+    def label(self, resolved: str | None) -> str:
+        """The `model` metric label for a request resolved to `resolved` (None: to none)."""
+        if self.match_all:
+            return SINGLE_MODEL
+        return resolved if resolved is not None else UNKNOWN_MODEL
 
     def resolve(self, name: str | None) -> ModelServices | None:
         """The model a request naming `name` is admitted against, None: no such model."""
@@ -188,7 +193,9 @@ async def build_table(
                     settings=ms,
                     # After the counter: a start that fails on the tokenizer says only
                     # that, not the posture line the monitor logs when it is built.
-                    capacity=CapacityMonitor(ms, metrics),
+                    capacity=CapacityMonitor(
+                        ms, metrics, model=SINGLE_MODEL if spec is None else spec.name
+                    ),
                     counter=c,
                     budget=build_budget(ms, metrics),
                 )

@@ -77,7 +77,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     finally:
         rec.finish()
         state.metrics.request_duration.labels(rec.route).observe(rec.duration_s)
-        state.metrics.requests_total.labels(rec.route, rec.decision).inc()
+        state.metrics.requests_total.labels(
+            rec.route, rec.decision, state.models.label(rec.model)
+        ).inc()
         if state.settings.access_log:
             rec.emit(access_log)
         state.leave()
@@ -164,6 +166,8 @@ async def _handle(
         svc = state.models.for_request(body)
         if isinstance(svc, KvproxyError):
             return _reject(state, rec, svc, style)
+        if not state.models.match_all:
+            rec.model = svc.name
         upstream = svc.upstream
         decided = await _admit(state, svc, route, body, rec)
         if isinstance(decided, KvproxyError):
@@ -378,7 +382,7 @@ def _reject(
 ) -> web.Response:
     rec.decision = "rejected"
     rec.reason = err.reason
-    state.metrics.rejections.labels(err.reason).inc()
+    state.metrics.rejections.labels(err.reason, state.models.label(rec.model)).inc()
     headers = dict(extra or {})
     headers["X-Request-ID"] = rec.request_id
     headers["X-Kvproxy-Decision"] = "rejected"

@@ -145,7 +145,7 @@ async def test_an_unknown_model_is_404_model_not_found_for_the_openai_sdk(
     assert routed == [0, 1]  # I7: the refused requests reached no router
     assert (
         proxy.metrics.registry.get_sample_value(
-            "kvproxy_rejections_total", {"reason": "model_not_found"}
+            "kvproxy_rejections_total", {"reason": "model_not_found", "model": "_unknown"}
         )
         == 2
     )

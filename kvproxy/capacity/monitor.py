@@ -36,7 +36,7 @@ from kvproxy.capacity.limits import Limits, derive_limits
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError, Role
 from kvproxy.capacity.probes import probe_engine
 from kvproxy.config import EngineSpec, Settings
-from kvproxy.metrics import Metrics
+from kvproxy.metrics import SINGLE_MODEL, Metrics
 from kvproxy.posture.tracker import PostureTracker
 
 log = logging.getLogger("kvproxy.capacity")
@@ -77,8 +77,11 @@ class CapacityMonitor:
         resolver: Resolver | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        model: str = SINGLE_MODEL,
     ) -> None:
         self._settings = settings
+        # The `model` label of the limit gauges (kvproxy.models: one monitor per model).
+        self._model = model
         self._metrics = metrics
         self._session = session
         self._own_session = False
@@ -101,7 +104,7 @@ class CapacityMonitor:
         self._refreshes = 0
         self._last_refresh_at: float | None = None
         self._next_refresh_mono: float | None = None
-        metrics.declared_context.set(settings.max_context or 0)
+        metrics.declared_context.labels(model).set(settings.max_context or 0)
         self.posture = PostureTracker(settings, metrics)
         self._publish(self._limits)
 
@@ -355,9 +358,12 @@ class CapacityMonitor:
     def _publish(self, limits: Limits) -> None:
         mx = self._metrics
         # 0 means "unknown" on the dashboards (the metric help text says so).
-        mx.admission_limit.set((limits.admission_limit_tokens or 0) if limits.known else 0)
-        mx.decode_limit.set((limits.decode_limit_tokens or 0) if limits.known else 0)
-        mx.capacity_known.set(1 if limits.known else 0)
+        model = self._model
+        mx.admission_limit.labels(model).set(
+            (limits.admission_limit_tokens or 0) if limits.known else 0
+        )
+        mx.decode_limit.labels(model).set((limits.decode_limit_tokens or 0) if limits.known else 0)
+        mx.capacity_known.labels(model).set(1 if limits.known else 0)
 
     # --- admin surface ----------------------------------------------------------------
 
