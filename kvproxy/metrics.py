@@ -107,14 +107,14 @@ class Metrics:
         # --- capacity ---------------------------------------------------------------------
         self.pool_capacity = Gauge(
             "kvproxy_pool_capacity_tokens",
-            "KV-cache pool each engine reports having allocated.",
-            ["engine", "role", "source"],
+            "KV-cache pool each engine reports having allocated (model: the model it serves).",
+            ["engine", "role", "source", "model"],
             registry=r,
         )
         self.engine_input_limit = Gauge(
             "kvproxy_engine_input_limit_tokens",
             "Largest prompt each engine accepts, derived from its runtime report.",
-            ["engine", "role", "source"],
+            ["engine", "role", "source", "model"],
             registry=r,
         )
         self.admission_limit = Gauge(

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from kvproxy.tokens import TokenCounter
 
 
-
 @dataclass(frozen=True)
 class ModelServices:
     """Everything the request path needs for one model."""

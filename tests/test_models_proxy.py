@@ -90,6 +90,21 @@ async def test_each_model_is_admitted_at_its_own_measured_limit(
         replies["a", middle] = await post(http, proxy, ids("a", middle))
         replies["model-b", middle] = await post(http, proxy, ids("model-b", middle))
         after = {sim: await truth(http, sim) for sim in (a, b)}
+        registry = proxy.metrics.registry
+        gauges = {
+            name: registry.get_sample_value("kvproxy_admission_limit_tokens", {"model": name})
+            for name in ("model-a", "model-b")
+        }
+        labelled = {
+            s.labels["model"]
+            for fam in registry.collect()
+            if fam.name in ("kvproxy_requests", "kvproxy_rejections")
+            for s in fam.samples
+        }
+    # Each model's limit is its own series; requests are counted under configured names only
+    # (the alias "a" counts as model-a).
+    assert gauges == {"model-a": limits[a], "model-b": limits[b]}
+    assert labelled == {"model-a", "model-b"}
     for name, sim in (("model-a", a), ("model-b", b)):
         for delta in (-1, 0):
             status, reply = replies[name, delta]

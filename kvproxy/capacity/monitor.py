@@ -278,8 +278,9 @@ class CapacityMonitor:
         st.measurement, st.success_mono = m, self._clock()
         st.last_error, st.consecutive_errors = None, 0
         mx = self._metrics
-        mx.pool_capacity.labels(m.engine, m.role, m.source).set(m.pool_tokens)
-        mx.engine_input_limit.labels(m.engine, m.role, m.source).set(m.input_limit_tokens)
+        model = self._model
+        mx.pool_capacity.labels(m.engine, m.role, m.source, model).set(m.pool_tokens)
+        mx.engine_input_limit.labels(m.engine, m.role, m.source, model).set(m.input_limit_tokens)
         mx.capacity_last_success.labels(m.engine).set(m.measured_at)
         self.posture.observe_failures(m.engine, m.posture)
 
@@ -293,7 +294,7 @@ class CapacityMonitor:
             m = st.measurement
             for gauge in (mx.pool_capacity, mx.engine_input_limit):
                 with contextlib.suppress(KeyError):
-                    gauge.remove(m.engine, m.role, m.source)
+                    gauge.remove(m.engine, m.role, m.source, self._model)
         for reason in st.error_reasons:
             with contextlib.suppress(KeyError):
                 mx.capacity_probe_errors.remove(st.label, reason)

@@ -94,7 +94,14 @@ async def test_measured_limit_replaces_declared_context(
     assert sample(metrics, "kvproxy_capacity_known", model="default") == 1
     p = f"127.0.0.1:{prefill.port}"
     assert (
-        sample(metrics, "kvproxy_pool_capacity_tokens", engine=p, role="prefill", source="measured")
+        sample(
+            metrics,
+            "kvproxy_pool_capacity_tokens",
+            engine=p,
+            role="prefill",
+            source="measured",
+            model="default",
+        )
         == 5322
     )
     assert (
@@ -104,6 +111,7 @@ async def test_measured_limit_replaces_declared_context(
             engine=p,
             role="prefill",
             source="measured",
+            model="default",
         )
         == 5315
     )
@@ -277,7 +285,12 @@ async def test_static_engines_need_no_network(
     assert (lim.known, lim.admission_limit_tokens, lim.source) == (True, 65536, "declared")
     assert (
         sample(
-            metrics, "kvproxy_pool_capacity_tokens", engine="p", role="prefill", source="declared"
+            metrics,
+            "kvproxy_pool_capacity_tokens",
+            engine="p",
+            role="prefill",
+            source="declared",
+            model="default",
         )
         == 65536
     )
@@ -344,6 +357,7 @@ async def test_discovery_expands_a_headless_service_and_forgets_gone_pods(
             engine=f"127.0.0.1:{port}",
             role="prefill",
             source="measured",
+            model="default",
         )
         is None
     )
