@@ -77,7 +77,8 @@ ALERTS: tuple[Alert, ...] = (
         "Engine {{ $labels.engine }} KV pool is smaller than the declared context",
         "Engine {{ $labels.engine }} ({{ $labels.role }}, {{ $labels.source }}) of model "
         "{{ $labels.model }} reports a KV pool of " + ROUNDED_VALUE + " tokens, below the "
-        "context declared for that model to kvproxy {{ $labels.instance }}. kvproxy rejects prompts above the pool with 400 "
+        "context declared for that model to kvproxy {{ $labels.instance }}. kvproxy rejects "
+        "prompts above the pool with 400 "
         "context_length_exceeded; clients promised the declared context will hit them.",
         hold="5m",
     ),
