@@ -38,7 +38,7 @@ from kvproxy.capacity import (
     probe_engine,
     system_resolver,
 )
-from kvproxy.config import ConfigError, EngineSpec, load_settings
+from kvproxy.config import ConfigError, EngineSpec, Settings, load_settings
 from kvproxy.gate_deferred import CHECK_NAME, deferred_counts, deferred_verdict
 from kvproxy.gate_probes import (
     Check,
@@ -85,6 +85,9 @@ class GateOptions:
     # Engine posture (kvproxy.posture): the operator's advisories and accepted ids.
     advisories_file: str | None = None
     accept_advisories: tuple[str, ...] = ()
+    # Several models (kvproxy.gate_models): the configured name whose limit the proxy's
+    # metrics carry under `model`; None reads the single model's.
+    limit_model: str | None = None
 
 
 @dataclass
@@ -215,7 +218,7 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
             checks.append(declared_context_check(opts.max_context, ok_m, safe_ctx, safe.why))
         deferred = None
         if opts.proxy_admin:
-            deferred = await deferred_counts(http, opts.proxy_admin)
+            deferred = await deferred_counts(http, opts.proxy_admin, opts.limit_model)
             if deferred is None:
                 checks.append(Check("proxy metrics", False, "admin /metrics unreachable"))
         model = "default"
@@ -323,7 +326,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pass even if deferred cancellations ended by timeout or shutdown (drain not "
         "confirmed); recorded in the release record",
     )
-    p.add_argument("--model", help="model id to request (default: the proxy's /v1/models)")
+    p.add_argument(
+        "--model",
+        help="model id to request (default: the proxy's /v1/models); with a models config, "
+        "the configured model to check (default: every one, a section each)",
+    )
     p.add_argument(
         "--probe-kind",
         choices=("auto", "text", "token_ids"),
@@ -334,7 +341,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="directory for release-record.json and release-record.md")
 
 
-def options_from(args: argparse.Namespace) -> GateOptions:
+def gate_settings(args: argparse.Namespace) -> Settings:
+    """The config file plus --engines / --max-context (ConfigError: one line)."""
     if args.config:
         os.environ["KVPROXY_CONFIG"] = args.config
     overrides: dict[str, Any] = {}
@@ -345,7 +353,11 @@ def options_from(args: argparse.Namespace) -> GateOptions:
             raise ConfigError(f"invalid setting engines (--engines): not JSON: {exc}") from None
     if args.max_context is not None:
         overrides["max_context"] = args.max_context
-    settings = load_settings(**overrides)
+    return load_settings(**overrides)
+
+
+def options_from(args: argparse.Namespace, settings: Settings | None = None) -> GateOptions:
+    settings = settings or gate_settings(args)
     if not settings.engines:
         raise ConfigError("invalid setting engines (--engines / KVPROXY_ENGINES): none given")
 
@@ -370,7 +382,12 @@ def options_from(args: argparse.Namespace) -> GateOptions:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    opts = options_from(args)
+    settings = gate_settings(args)
+    if settings.models:
+        from kvproxy.gate_models import run_models_check  # one section per model
+
+        return run_models_check(args, settings)
+    opts = options_from(args, settings)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
