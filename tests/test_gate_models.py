@@ -71,7 +71,8 @@ async def test_check_gates_every_configured_model_in_its_own_section(tmp_path: P
             }
     assert rc_all == 0, out_all
     record = json.loads((tmp_path / "all" / "release-record.json").read_text())
-    assert record["schema"] == MODELS_SCHEMA and record["passed"] is True
+    assert record["schema"] == MODELS_SCHEMA
+    assert record["passed"] is True
     assert list(record["models"]) == ["model-a", "model-b"]
     for name, section in record["models"].items():
         # Each section is a complete single-model record on that model's engines.
@@ -86,12 +87,15 @@ async def test_check_gates_every_configured_model_in_its_own_section(tmp_path: P
         assert section["deferred_cancellations"]["proxy_admission_limit_tokens"] == limit
         checks = {c["name"]: c for c in section["checks"]}
         over = checks[f"boundary limit+1 ({limit + 1:,} tokens)"]
-        assert over["passed"] and over["data"]["status"] == 400
+        assert over["passed"]
+        assert over["data"]["status"] == 400
         assert checks[f"boundary limit+0 ({limit:,} tokens)"]["passed"]
-    assert limits["model-a"] is not None and limits["model-b"] is not None
+    assert limits["model-a"] is not None
+    assert limits["model-b"] is not None
     assert limits["model-a"] < limits["model-b"]
     md = (tmp_path / "all" / "release-record.md").read_text()
-    assert "## Model `model-a`: PASS" in md and "## Model `model-b`: PASS" in md
+    assert "## Model `model-a`: PASS" in md
+    assert "## Model `model-b`: PASS" in md
     assert rc_one == 0
     one = json.loads((tmp_path / "one" / "release-record.json").read_text())
     assert list(one["models"]) == ["model-a"]  # chosen by its alias
