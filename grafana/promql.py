@@ -49,6 +49,10 @@ MODEL_LABELLED = frozenset({
     "kvproxy_capacity_known",
     "kvproxy_pool_capacity_tokens",
     "kvproxy_engine_input_limit_tokens",
+    "kvproxy_inflight_prompt_tokens",
+    "kvproxy_inflight_prompt_tokens_limit",
+    "kvproxy_queue_depth",
+    "kvproxy_budget_cluster_prompt_tokens",
 })  # fmt: skip
 MODEL_FILTER = 'model=~"$model"'
 

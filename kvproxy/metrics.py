@@ -241,17 +241,20 @@ class Metrics:
         )
         self.budget_tokens_in_use = Gauge(
             "kvproxy_inflight_prompt_tokens",
-            "Prompt tokens held by requests whose upstream is still open.",
+            "Prompt tokens held by requests whose upstream is still open, by model.",
+            ["model"],
             registry=r,
         )
         self.budget_tokens_limit = Gauge(
             "kvproxy_inflight_prompt_tokens_limit",
-            "Configured in-flight prompt-token budget (0 = unlimited).",
+            "Configured in-flight prompt-token budget, by model (0 = unlimited).",
+            ["model"],
             registry=r,
         )
         self.queue_depth = Gauge(
             "kvproxy_queue_depth",
-            "Requests waiting for in-flight budget.",
+            "Requests waiting for in-flight budget, by model.",
+            ["model"],
             registry=r,
         )
         self.queue_wait = Histogram(
@@ -264,7 +267,8 @@ class Metrics:
         # --- the cluster budget on Redis (budget_backend: redis) ----------------------------
         self.budget_cluster_tokens = Gauge(
             "kvproxy_budget_cluster_prompt_tokens",
-            "Prompt tokens held by every replica sharing the Redis budget, as last seen.",
+            "Prompt tokens held by every replica sharing the model's Redis budget, as last seen.",
+            ["model"],
             registry=r,
         )
         self.budget_lease_renewals = Counter(

@@ -183,20 +183,19 @@ async def build_table(
     counters: list[TokenCounter] = []
     try:
         for i, (spec, ms) in enumerate(model_settings(settings)):
+            name = SINGLE_MODEL if spec is None else spec.name
             c = counter if (i == 0 and counter is not None) else build_counter(ms, session=session)
             counters.append(c)
             built.append(
                 ModelServices(
-                    name=SINGLE_MODEL if spec is None else spec.name,
+                    name=name,
                     aliases=() if spec is None else spec.aliases,
                     settings=ms,
                     # After the counter: a start that fails on the tokenizer says only
                     # that, not the posture line the monitor logs when it is built.
-                    capacity=CapacityMonitor(
-                        ms, metrics, model=SINGLE_MODEL if spec is None else spec.name
-                    ),
+                    capacity=CapacityMonitor(ms, metrics, model=name),
                     counter=c,
-                    budget=build_budget(ms, metrics),
+                    budget=build_budget(ms, metrics, name),
                 )
             )
     except BaseException:

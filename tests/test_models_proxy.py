@@ -33,7 +33,7 @@ def engines_of(sim: SimCluster) -> list[dict[str, Any]]:
 
 @contextlib.asynccontextmanager
 async def two_models(
-    **overrides: Any,
+    a_extra: dict[str, Any] | None = None, **overrides: Any
 ) -> AsyncIterator[tuple[SimCluster, SimCluster, KvproxyServer]]:
     free = {"port": 0, "prefill_port": 0, "decode_port": 0}
     a_opts = SimOptions(**free, model_name="model-a", prefill_pool_tokens=POOL_A)
@@ -45,6 +45,7 @@ async def two_models(
                 "aliases": ["a"],
                 "engines": engines_of(a),
                 "upstream": a.router_url,
+                **(a_extra or {}),
             },
             {"name": "model-b", "engines": engines_of(b), "upstream": b.router_url},
         ]
@@ -213,3 +214,20 @@ async def test_one_models_engines_down_fail_closed_for_it_alone(
     assert capacity["models"]["model-a"]["known"] is False
     assert capacity["models"]["model-b"]["known"] is True
     assert capacity["models"]["model-a"]["aliases"] == ["a"]
+
+
+async def test_each_model_has_its_own_inflight_budget(http: aiohttp.ClientSession) -> None:
+    async with two_models({"max_inflight_prompt_tokens": 500}) as (a, b, proxy):
+        over_a = await post(http, proxy, ids("model-a", 600))
+        fine_b = await post(http, proxy, ids("model-b", 600))
+        registry = proxy.metrics.registry
+        budget_limits = {
+            name: registry.get_sample_value("kvproxy_inflight_prompt_tokens_limit", {"model": name})
+            for name in ("model-a", "model-b")
+        }
+        routed = [(await truth(http, sim))["prefill"]["requests_by_route"] for sim in (a, b)]
+    assert over_a[0] == 429
+    assert over_a[1]["error"]["code"] == "inflight_budget_exceeded"
+    assert fine_b[0] == 200  # model-a's budget is not model-b's
+    assert budget_limits == {"model-a": 500, "model-b": 0}
+    assert routed == [{}, {COMPLETIONS: 1}]

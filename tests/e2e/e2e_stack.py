@@ -271,6 +271,9 @@ MODEL_LABELLED = frozenset({
     "kvproxy_decode_limit_tokens",
     "kvproxy_declared_context_tokens",
     "kvproxy_capacity_known",
+    "kvproxy_inflight_prompt_tokens",
+    "kvproxy_inflight_prompt_tokens_limit",
+    "kvproxy_queue_depth",
 })  # fmt: skip
 
 
