@@ -53,6 +53,9 @@ MODEL_LABELLED = frozenset({
     "kvproxy_inflight_prompt_tokens_limit",
     "kvproxy_queue_depth",
     "kvproxy_budget_cluster_prompt_tokens",
+    "kvproxy_prompt_tokens_bucket",
+    "kvproxy_prompt_tokens",
+    "kvproxy_token_bound_exceeded_total",
 })  # fmt: skip
 MODEL_FILTER = 'model=~"$model"'
 

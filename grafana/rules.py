@@ -137,14 +137,17 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "KvproxyTokenBoundExceeded",
-        "sum by (job, instance) (increase(kvproxy_token_bound_exceeded_total[30m])) > 0\n",
+        "sum by (job, instance, model) (\n"
+        "  increase(kvproxy_token_bound_exceeded_total[30m])\n"
+        ") > 0\n",
         "warning",
-        "Engine counted more prompt tokens than kvproxy on {{ $labels.instance }}",
+        "Engine counted more prompt tokens than kvproxy on {{ $labels.instance }} for model "
+        "{{ $labels.model }}",
         "An engine reported usage.prompt_tokens above kvproxy's count or bound about "
         + ROUNDED_VALUE
-        + " time(s) in the last 30 minutes on {{ $labels.instance }}: the configured "
-        "tokenizer does not match the model, so prompts near the limit may be admitted "
-        "above it (I1).",
+        + " time(s) in the last 30 minutes on {{ $labels.instance }} for model "
+        "{{ $labels.model }}: that model's configured tokenizer does not match it, so its "
+        "prompts near the limit may be admitted above it (I1).",
     ),
     Alert(
         "KvproxyBudgetRedisUnavailable",

@@ -183,8 +183,8 @@ class Metrics:
         )
         self.prompt_tokens = Histogram(
             "kvproxy_prompt_tokens",
-            "Prompt tokens used for the decision (a bound or an exact count), by method.",
-            ["method"],
+            "Prompt tokens used for the decision (a bound or an exact count), by method and model.",
+            ["method", "model"],
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
@@ -211,7 +211,8 @@ class Metrics:
         self.token_bound_exceeded = Counter(
             "kvproxy_token_bound_exceeded_total",
             "Responses whose usage.prompt_tokens exceeded kvproxy's count or bound "
-            "(the configured tokenizer does not match the model).",
+            "(the model's configured tokenizer does not match it), by model.",
+            ["model"],
             registry=r,
         )
 
@@ -325,8 +326,14 @@ class Metrics:
         for policy in REDIS_UNAVAILABLE_POLICIES:
             self.budget_fallbacks.labels(policy)
         for method in COUNT_METHODS:
-            self.prompt_tokens.labels(method)
             self.admission_duration.labels(method)
+
+    def add_model(self, model: str) -> None:
+        """Pre-create a model's series (kvproxy.models calls it once per configured model),
+        so each model's counts export 0 rather than nothing."""
+        for method in COUNT_METHODS:
+            self.prompt_tokens.labels(method, model)
+        self.token_bound_exceeded.labels(model)
 
     def set_tokenizer_backend(self, backend: str) -> None:
         """Exactly one backend reads 1: the one the token counter uses."""

@@ -184,6 +184,7 @@ async def build_table(
     try:
         for i, (spec, ms) in enumerate(model_settings(settings)):
             name = SINGLE_MODEL if spec is None else spec.name
+            metrics.add_model(name)
             c = counter if (i == 0 and counter is not None) else build_counter(ms, session=session)
             counters.append(c)
             built.append(

@@ -253,7 +253,7 @@ async def _admit(
         return err
     m = state.metrics
     m.admission_duration.labels(count.method).observe(time.perf_counter() - t0)
-    m.prompt_tokens.labels(count.method).observe(count.tokens)
+    m.prompt_tokens.labels(count.method, svc.name).observe(count.tokens)
     rec.prompt_tokens = count.tokens
     rec.count_method = count.method
     rec.prompt_tokens_kind = count.kind
@@ -397,7 +397,7 @@ def _drift(state: ServerState, rec: AccessRecord, engine_tokens: int) -> None:
     if rec.count_method in ("exact", "engine"):
         state.metrics.token_count_drift.observe(engine_tokens - rec.prompt_tokens)
     if engine_tokens > rec.prompt_tokens:
-        state.metrics.token_bound_exceeded.inc()
+        state.metrics.token_bound_exceeded.labels(state.models.label(rec.model)).inc()
         log.warning(
             "engine counted more prompt tokens than kvproxy's %s (%d > %d): the configured "
             "tokenizer does not match the model",

@@ -99,11 +99,19 @@ async def test_each_model_is_admitted_at_its_own_measured_limit(
         labelled = {
             s.labels["model"]
             for fam in registry.collect()
-            if fam.name in ("kvproxy_requests", "kvproxy_rejections")
+            if fam.name
+            in (
+                "kvproxy_requests",
+                "kvproxy_rejections",
+                "kvproxy_prompt_tokens",
+                "kvproxy_token_bound_exceeded",
+                "kvproxy_admission_limit_tokens",
+                "kvproxy_inflight_prompt_tokens",
+            )
             for s in fam.samples
         }
-    # Each model's limit is its own series; requests are counted under configured names only
-    # (the alias "a" counts as model-a).
+    # Each model's limit is its own series; requests, counts and budgets are labelled with
+    # configured names only (the alias "a" counts as model-a; no "default" series).
     assert gauges == {"model-a": limits[a], "model-b": limits[b]}
     assert labelled == {"model-a", "model-b"}
     for name, sim in (("model-a", a), ("model-b", b)):
