@@ -237,7 +237,10 @@ async def _admit(
     state: ServerState, svc: ModelServices, route: Route, body: bytes, rec: AccessRecord
 ) -> tuple[PromptShape, admission.Admit] | KvproxyError:
     limits = svc.capacity.limits()
-    pre = admission.precheck(limits, svc.capacity.retry_after_s(), "no fresh measurement")
+    why = "no fresh measurement"
+    if not state.models.match_all:
+        why += f" of model {svc.name}'s engines"  # the others may be serving
+    pre = admission.precheck(limits, svc.capacity.retry_after_s(), why)
     if pre is not None:
         return pre.error
     try:

@@ -213,6 +213,7 @@ async def test_one_models_engines_down_fail_closed_for_it_alone(
             strict = resp.status, await resp.json()
     assert down[0] == 503
     assert down[1]["error"]["code"] == "capacity_unknown"
+    assert "model-a's engines" in down[1]["error"]["message"]
     assert up[0] == 200
     # readiness: any (the default) keeps the pod in the Service for model-b.
     assert ready == (200, {"ready": True})
