@@ -21,6 +21,7 @@ GRAFANA_DEFAULTS: dict[str, str] = {
     "$__range": "1h",
     "$job": ".*",
     "$instance": ".*",
+    "$model": ".*",
 }
 
 _KEYWORDS = frozenset(
@@ -36,9 +37,37 @@ _SELECTOR = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*\{([^}]*)\}")
 _MATCHER_LABEL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
 
 
+# Families with a `model` label (kvproxy.metrics: limits, decisions, counts); the
+# dashboard's `$model` variable filters only these, so a chosen model never hides the
+# replica-wide series (event loop, drains) that have no model.
+MODEL_LABELLED = frozenset({
+    "kvproxy_requests_total",
+    "kvproxy_rejections_total",
+    "kvproxy_admission_limit_tokens",
+    "kvproxy_decode_limit_tokens",
+    "kvproxy_declared_context_tokens",
+    "kvproxy_capacity_known",
+    "kvproxy_pool_capacity_tokens",
+    "kvproxy_engine_input_limit_tokens",
+    "kvproxy_inflight_prompt_tokens",
+    "kvproxy_inflight_prompt_tokens_limit",
+    "kvproxy_queue_depth",
+    "kvproxy_budget_cluster_prompt_tokens",
+    "kvproxy_prompt_tokens_bucket",
+    "kvproxy_prompt_tokens",
+    "kvproxy_token_bound_exceeded_total",
+})  # fmt: skip
+MODEL_FILTER = 'model=~"$model"'
+
+
 def sel(metric: str, matchers: str = "") -> str:
-    """`metric{<dashboard filter>,matchers}` for dashboard queries."""
-    inner = DASHBOARD_FILTER + ("," + matchers if matchers else "")
+    """`metric{<dashboard filter>,matchers}` for dashboard queries (plus `$model` for the
+    model-labelled families)."""
+    inner = DASHBOARD_FILTER
+    if metric in MODEL_LABELLED:
+        inner += "," + MODEL_FILTER
+    if matchers:
+        inner += "," + matchers
     return f"{metric}{{{inner}}}"
 
 

@@ -6,8 +6,9 @@ documents built from them (`grafana/alerts.rules.yml` for plain Prometheus and
 section of the same name in grafana/RUNBOOK.md and unit tests in grafana/alerts.test.yml.
 Annotations carry sizes, engines and tenants, never prompt text (I8).
 
-Expressions aggregate `by (job, instance)` so one alert names one kvproxy replica; engine
-and tenant labels are kept where they say what to fix.
+Expressions aggregate `by (job, instance)` so one alert names one kvproxy replica; engine,
+tenant and model labels are kept where they say what to fix: capacity, pool and rejection
+alerts are per model (kvproxy.models), so one model's outage or limit is named as such.
 """
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "KvproxyPoolBelowDeclaredContext",
         "kvproxy_pool_capacity_tokens\n"
-        "  < on (job, instance) group_left ()\n"
+        "  < on (job, instance, model) group_left ()\n"
         "kvproxy_declared_context_tokens\n",
         "warning",
         "Engine {{ $labels.engine }} KV pool is smaller than the declared context",
-        "Engine {{ $labels.engine }} ({{ $labels.role }}, {{ $labels.source }}) reports a KV "
-        "pool of " + ROUNDED_VALUE + " tokens, below the context declared to kvproxy "
-        "{{ $labels.instance }}. kvproxy rejects prompts above the pool with 400 "
+        "Engine {{ $labels.engine }} ({{ $labels.role }}, {{ $labels.source }}) of model "
+        "{{ $labels.model }} reports a KV pool of " + ROUNDED_VALUE + " tokens, below the "
+        "context declared for that model to kvproxy {{ $labels.instance }}. kvproxy rejects "
+        "prompts above the pool with 400 "
         "context_length_exceeded; clients promised the declared context will hit them.",
         hold="5m",
     ),
@@ -84,10 +86,12 @@ ALERTS: tuple[Alert, ...] = (
         "KvproxyCapacityUnknown",
         "kvproxy_capacity_known == 0\n",
         "warning",
-        "kvproxy {{ $labels.instance }} has no fresh KV capacity measurement",
-        "kvproxy {{ $labels.instance }} could not measure every engine's KV pool within its "
-        "stale limit. It refuses inference with 503 capacity_unknown (unless a fallback limit "
-        "is configured) and reports not ready.",
+        "kvproxy {{ $labels.instance }} has no fresh KV capacity measurement for model "
+        "{{ $labels.model }}",
+        "kvproxy {{ $labels.instance }} could not measure every engine of model "
+        "{{ $labels.model }} within its stale limit. It refuses that model's inference with "
+        "503 capacity_unknown (unless a fallback limit is configured); with several models, "
+        "/readyz follows the `readiness` setting.",
         hold="2m",
     ),
     Alert(
@@ -104,15 +108,17 @@ ALERTS: tuple[Alert, ...] = (
     Alert(
         "KvproxyRejectionSpike",
         "(\n"
-        "  sum by (job, instance) (rate(kvproxy_rejections_total[5m]))\n"
+        "  sum by (job, instance, model) (rate(kvproxy_rejections_total[5m]))\n"
         "/\n"
-        "  sum by (job, instance) (rate(kvproxy_requests_total[5m]))\n"
+        "  sum by (job, instance, model) (rate(kvproxy_requests_total[5m]))\n"
         f") > {REJECTED_SHARE}\n"
         "and\n"
-        f"sum by (job, instance) (rate(kvproxy_rejections_total[5m])) > {REJECTED_MIN_PER_S}\n",
+        "sum by (job, instance, model) (rate(kvproxy_rejections_total[5m]))"
+        f" > {REJECTED_MIN_PER_S}\n",
         "warning",
-        "kvproxy {{ $labels.instance }} rejects many requests",
-        "{{ $value | humanizePercentage }} of requests to kvproxy {{ $labels.instance }} were "
+        "kvproxy {{ $labels.instance }} rejects many requests for model {{ $labels.model }}",
+        "{{ $value | humanizePercentage }} of requests for model {{ $labels.model }} "
+        "(_unknown: names no configured model) to kvproxy {{ $labels.instance }} were "
         "rejected over the last 5 minutes. See the rejections-by-reason panel: "
         "context_length means prompts above the measured limit, capacity_unknown means no "
         "measurement, over_budget means the in-flight budget is full.",
@@ -131,14 +137,17 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "KvproxyTokenBoundExceeded",
-        "sum by (job, instance) (increase(kvproxy_token_bound_exceeded_total[30m])) > 0\n",
+        "sum by (job, instance, model) (\n"
+        "  increase(kvproxy_token_bound_exceeded_total[30m])\n"
+        ") > 0\n",
         "warning",
-        "Engine counted more prompt tokens than kvproxy on {{ $labels.instance }}",
+        "Engine counted more prompt tokens than kvproxy on {{ $labels.instance }} for model "
+        "{{ $labels.model }}",
         "An engine reported usage.prompt_tokens above kvproxy's count or bound about "
         + ROUNDED_VALUE
-        + " time(s) in the last 30 minutes on {{ $labels.instance }}: the configured "
-        "tokenizer does not match the model, so prompts near the limit may be admitted "
-        "above it (I1).",
+        + " time(s) in the last 30 minutes on {{ $labels.instance }} for model "
+        "{{ $labels.model }}: that model's configured tokenizer does not match it, so its "
+        "prompts near the limit may be admitted above it (I1).",
     ),
     Alert(
         "KvproxyBudgetRedisUnavailable",

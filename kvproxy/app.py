@@ -21,15 +21,14 @@ import orjson
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from kvproxy.budget_build import build_budget
 from kvproxy.canary import CanaryRules
-from kvproxy.capacity import CapacityMonitor
 from kvproxy.config import Settings
 from kvproxy.metrics import Metrics
+from kvproxy.models import build_table
 from kvproxy.proxy import STATE_KEY, handle
 from kvproxy.state import ServerState
 from kvproxy.tenants import TenantResolver
-from kvproxy.tokens import TokenCounter, build_counter
+from kvproxy.tokens import TokenCounter
 from kvproxy.watch import DisconnectWatcher, LoopLagMonitor, release_heap, settle_heap
 
 log = logging.getLogger("kvproxy.app")
@@ -91,35 +90,36 @@ class KvproxyServer:
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
         try:
-            counter = self._counter or build_counter(s, session=session)
+            # One bundle per model (kvproxy.models); the single-model form is one of them.
+            models = await build_table(s, self.metrics, session, counter=self._counter)
         except BaseException:
             # A tokenizer that cannot be loaded (a missing extra, a bad path) ends the start
             # with one line; the session made above must not leak an "Unclosed" warning too.
             await session.close()
             raise
-        # After the counter: a start that fails on the tokenizer says only that, not the
-        # posture line the monitor logs when it is built.
-        capacity = CapacityMonitor(s, self.metrics)
+        first = models.models[0]
         self._state = state = ServerState(
             settings=s,
             metrics=self.metrics,
             session=session,
             watcher=DisconnectWatcher(),
             lag=LoopLagMonitor(self.metrics),
-            capacity=capacity,
-            counter=counter,
-            budget=build_budget(s, self.metrics),
+            capacity=first.capacity,
+            counter=first.counter,
+            budget=first.budget,
             tenants=TenantResolver(s),
             canaries=CanaryRules.from_settings(s),
             hard_stop=loop.create_future(),
+            models=models,
         )
         state.idle.set()
         for canary in s.canaries:
             self.metrics.canary_violations.labels(canary.tenant)
-        log.info("token counting: %s", counter.describe())
-        self.metrics.set_tokenizer_backend(counter.backend)
-        await capacity.start()
-        await state.budget.start()
+        for m in models.models:
+            prefix = "" if models.match_all else f"model {m.name}: "
+            log.info("%stoken counting: %s", prefix, m.counter.describe())
+        self.metrics.set_tokenizer_backend(first.counter.backend)
+        await models.start()
         state.watcher.start()
         settle_heap()  # before the lag monitor's first tick: start-up garbage is not a stall
         state.lag.start()
@@ -184,6 +184,10 @@ class KvproxyServer:
         state = self.state
         if state.stopping:
             return _json({"ready": False, "reason": "shutting down"}, 503)
+        if not state.models.match_all:
+            if not state.models.ready():
+                return _json({"ready": False, "reason": state.models.not_ready_reason()}, 503)
+            return _json({"ready": True})
         if not state.capacity.ready():
             return _json({"ready": False, "reason": "capacity unknown"}, 503)
         if state.capacity.posture.blocks_ready():
@@ -191,6 +195,10 @@ class KvproxyServer:
         return _json({"ready": True})
 
     async def _capacity(self, request: web.Request) -> web.Response:
+        models = self.state.models
+        if not models.match_all:
+            # Grouped by model: one model's engines and limits say nothing about another's.
+            return _json({"readiness": models.readiness, "models": models.snapshot_json()})
         return _json(
             {**self.state.capacity.snapshot_json(), "budget": self.state.budget.describe_json()}
         )
@@ -216,7 +224,7 @@ class KvproxyServer:
             return
         state.stopping = True
         # Queued requests were never forwarded: tell them now (429) rather than at the end.
-        state.budget.reject_waiting()
+        state.models.reject_waiting()
         if self._public_site is not None:
             await self._public_site.stop()
         if state.inflight:
@@ -236,9 +244,8 @@ class KvproxyServer:
             await self._public.cleanup()
         await state.watcher.stop()
         await state.lag.stop()
-        await state.capacity.stop()
-        await state.budget.aclose()
-        await state.counter.aclose()
+        await state.models.stop_capacity()
+        await state.models.aclose()
         await state.session.close()
         if self._admin is not None:
             await self._admin.cleanup()

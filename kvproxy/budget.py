@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from kvproxy import errors
-from kvproxy.metrics import Metrics
+from kvproxy.metrics import SINGLE_MODEL, Metrics
 
 # A client that got 429 should come back soon but not hammer us; the queue timeout is the
 # time scale on which room appears, capped so a long queue timeout does not park clients.
@@ -112,6 +112,7 @@ class InflightBudget:
         queue_max_waiters: int,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
+        model: str = SINGLE_MODEL,
     ) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be >= 1 or None")
@@ -124,12 +125,13 @@ class InflightBudget:
         self.queue_timeout_s = queue_timeout_s
         self.queue_max_waiters = queue_max_waiters
         self._metrics = metrics
+        self._model = model  # the gauges' `model` label: one budget per model's pool
         self._clock = clock
         self._tokens = 0
         self._requests = 0
         self._waiters: deque[_Waiter] = deque()
         self._retry_after_s = retry_after_s(queue_timeout_s)
-        metrics.budget_tokens_limit.set(max_tokens or 0)
+        metrics.budget_tokens_limit.labels(model).set(max_tokens or 0)
         self._publish()
 
     @property
@@ -282,8 +284,8 @@ class InflightBudget:
         return ", ".join(parts) or "budget full"
 
     def _publish(self) -> None:
-        self._metrics.budget_tokens_in_use.set(self._tokens)
-        self._metrics.queue_depth.set(len(self._waiters))
+        self._metrics.budget_tokens_in_use.labels(self._model).set(self._tokens)
+        self._metrics.queue_depth.labels(self._model).set(len(self._waiters))
 
     def __repr__(self) -> str:
         return (

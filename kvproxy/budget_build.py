@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from kvproxy.budget import Budget, InflightBudget
 from kvproxy.config import ConfigError, Settings
-from kvproxy.metrics import Metrics
+from kvproxy.metrics import SINGLE_MODEL, Metrics
 
 
-def build_budget(s: Settings, metrics: Metrics) -> Budget:
+def build_budget(s: Settings, metrics: Metrics, model: str = SINGLE_MODEL) -> Budget:
+    # Exported (0) for the local backend too, as before the gauge had a `model` label: the
+    # dashboard's panel reads it whichever backend runs.
+    metrics.budget_cluster_tokens.labels(model)
     if s.budget_backend == "local":
         return InflightBudget(
             max_tokens=s.max_inflight_prompt_tokens,
@@ -19,6 +22,7 @@ def build_budget(s: Settings, metrics: Metrics) -> Budget:
             queue_timeout_s=s.queue_timeout_s,
             queue_max_waiters=s.queue_max_waiters,
             metrics=metrics,
+            model=model,
         )
     try:
         from kvproxy.budget_redis import RedisBudget
@@ -34,6 +38,7 @@ def build_budget(s: Settings, metrics: Metrics) -> Budget:
         queue_timeout_s=s.queue_timeout_s,
         queue_max_waiters=s.queue_max_waiters,
         metrics=metrics,
+        model=model,
         options=RedisOptions(
             url=s.redis_url.get_secret_value(),
             password=s.redis_password_value(),

@@ -45,7 +45,7 @@ from kvproxy import errors
 from kvproxy.budget import InflightBudget, retry_after_s
 from kvproxy.budget_redis_leases import FallbackLease, RedisLease
 from kvproxy.budget_scripts import ACQUIRE, LEAVE_QUEUE, RELEASE, RENEW, BudgetKeys
-from kvproxy.metrics import Metrics
+from kvproxy.metrics import SINGLE_MODEL, Metrics
 from kvproxy.redis_client import REDIS_DOWN, RedisDown, RedisOptions, make_client
 
 log = logging.getLogger("kvproxy.budget")
@@ -74,6 +74,7 @@ class RedisBudget:
         metrics: Metrics,
         options: RedisOptions,
         client: Any | None = None,
+        model: str = SINGLE_MODEL,
     ) -> None:
         self.max_tokens = max_tokens
         self.max_requests = max_requests
@@ -81,6 +82,7 @@ class RedisBudget:
         self.queue_max_waiters = queue_max_waiters
         self.options = options
         self._metrics = metrics
+        self._model = model  # the gauges' `model` label: one budget per model's pool
         self._keys = BudgetKeys.for_pool(options.key_prefix, options.pool)
         self._client = client if client is not None else make_client(options)
         self._acquire = self._client.register_script(ACQUIRE)
@@ -114,7 +116,7 @@ class RedisBudget:
             metrics=Metrics(),  # its own, unexported: this budget publishes the totals
         )
         self._retry_after_s = retry_after_s(queue_timeout_s)
-        metrics.budget_tokens_limit.set(max_tokens or 0)
+        metrics.budget_tokens_limit.labels(model).set(max_tokens or 0)
         metrics.budget_degraded.set(0)
         self._publish()
 
@@ -437,7 +439,7 @@ class RedisBudget:
     def _seen(self, used_tokens: int, used_requests: int, expired: int) -> None:
         self.cluster_tokens = used_tokens
         self.cluster_requests = used_requests
-        self._metrics.budget_cluster_tokens.set(used_tokens)
+        self._metrics.budget_cluster_tokens.labels(self._model).set(used_tokens)
         if expired:
             self._metrics.budget_lease_expiries.inc(expired)
 
@@ -462,5 +464,5 @@ class RedisBudget:
         return ", ".join(parts) or "budget full"
 
     def _publish(self) -> None:
-        self._metrics.budget_tokens_in_use.set(self.tokens_in_use)
-        self._metrics.queue_depth.set(self.queue_depth)
+        self._metrics.budget_tokens_in_use.labels(self._model).set(self.tokens_in_use)
+        self._metrics.queue_depth.labels(self._model).set(self.queue_depth)

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -38,6 +38,9 @@ from pydantic_settings import (
 )
 
 MIB = 1024 * 1024
+
+if TYPE_CHECKING:
+    from kvproxy.models_config import ModelSpec
 
 
 class ConfigError(Exception):
@@ -82,6 +85,19 @@ class CanaryTenant(BaseModel):
     markers: tuple[str, ...] = ()
     # Regular expressions, e.g. "KVCANARY-acme-[0-9a-f]{16}".
     patterns: tuple[str, ...] = ()
+
+
+def check_tokenizer(v: str) -> str:
+    """The tokenizer spelling shared by the single-model form and every `models` entry."""
+    if v in ("bytes", "engine") or v.startswith(("hf:", "tiktoken:")):
+        return v
+    raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
+
+
+def check_url(v: str) -> str:
+    if not v.startswith(("http://", "https://")):
+        raise ValueError(f"must start with http:// or https://, got {v!r}")
+    return v.rstrip("/")
 
 
 class Settings(BaseSettings):
@@ -186,6 +202,19 @@ class Settings(BaseSettings):
     # list only routes that cannot carry a prompt to a KV cache (kvproxy.routes).
     passthrough_routes: tuple[str, ...] = ()
 
+    # --- several models (kvproxy.models_config) ------------------------------------------
+    # Empty: the settings above are one model that matches every name (the single-model
+    # form). Otherwise each entry owns its engines, tokenizer, template, limits and budget,
+    # and a request is counted and admitted against the entry its `model` names.
+    models: tuple[ModelSpec, ...] = ()
+    # The entry for a request that names no model (SGLang /generate has no `model` field)
+    # or a name no entry matches; unset, those get 404 model_not_found.
+    default_model: str | None = None
+    # /readyz with several models. any: ready while at least one model has fresh capacity
+    # (the others answer 503 capacity_unknown per request); all: ready only when every
+    # model has (one model's outage takes every model out of the Service).
+    readiness: Literal["any", "all"] = "any"
+
     # --- logging -------------------------------------------------------------------------
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = True
@@ -199,16 +228,12 @@ class Settings(BaseSettings):
     @field_validator("upstream")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"must start with http:// or https://, got {v!r}")
-        return v.rstrip("/")
+        return check_url(v)
 
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer(cls, v: str) -> str:
-        if v in ("bytes", "engine") or v.startswith(("hf:", "tiktoken:")):
-            return v
-        raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
+        return check_tokenizer(v)
 
     @field_validator("redis_url")
     @classmethod
@@ -237,6 +262,7 @@ class Settings(BaseSettings):
         from kvproxy.posture.advisories import load_table  # imports nothing of config
 
         load_table(self.advisories_file, self.accept_advisories)  # AdvisoryError: ValueError
+        check_models(self)
         return self
 
     def redis_password_value(self) -> str | None:
@@ -340,3 +366,8 @@ def load_settings(
         if len(exc.errors()) > 1:
             msg += f" (and {len(exc.errors()) - 1} more)"
         raise ConfigError(msg) from None
+
+
+from kvproxy.models_config import ModelSpec, check_models  # noqa: E402  (needs EngineSpec)
+
+Settings.model_rebuild()

@@ -19,7 +19,8 @@ Tree of what a request can end in, besides a relayed upstream response:
     │   ├── count_unavailable         503   token_count_unavailable     count_unavailable
     │   ├── over_budget               429   inflight_budget_exceeded    over_budget
     │   ├── method_not_allowed        405   method_not_allowed          method_not_allowed
-    │   └── route_not_found           404   route_not_found             route_not_found
+    │   ├── route_not_found           404   route_not_found             route_not_found
+    │   └── model_not_found           404   model_not_found             model_not_found
     └── upstream failures (UpstreamFailure, raised by kvproxy.netio.network_boundary)
         ├── upstream_unreachable      502   upstream_unreachable
         ├── upstream_reset            502   upstream_reset
@@ -270,6 +271,23 @@ def route_not_found(why: str) -> KvproxyError:
         code="route_not_found",
         reason="route_not_found",
         message=f"kvproxy does not forward this request: {why}",
+    )
+
+
+def model_not_found(name: str | None, configured: tuple[str, ...]) -> KvproxyError:
+    # OpenAI's status, type and code for an unknown model, so its SDK raises NotFoundError.
+    # The name is the client's own and is cut short; the configured names are what an
+    # operator listed (they also answer on /v1/models).
+    said = "names no model" if name is None else f"names model {name[:128]!r}"
+    return KvproxyError(
+        status=404,
+        code="model_not_found",
+        reason="model_not_found",
+        message=(
+            f"the request {said}, which kvproxy has no policy for and no default_model is "
+            f"configured; configured models: {', '.join(configured[:32])}"
+        ),
+        param="model",
     )
 
 

@@ -88,6 +88,9 @@ class GateOptions:
     # Engine posture (kvproxy.posture): the operator's advisories and accepted ids.
     advisories_file: str | None = None
     accept_advisories: tuple[str, ...] = ()
+    # Several models (kvproxy.gate_models): the configured name whose limit the proxy's
+    # metrics carry under `model`; None reads the single model's.
+    limit_model: str | None = None
 
 
 @dataclass
@@ -219,7 +222,7 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
             )
         deferred = None
         if opts.proxy_admin:
-            deferred = await deferred_counts(http, opts.proxy_admin)
+            deferred = await deferred_counts(http, opts.proxy_admin, opts.limit_model)
             if deferred is None:
                 checks.append(Check("proxy metrics", False, "admin /metrics unreachable"))
         model = "default"

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from kvproxy.config import ConfigError, load_settings
+from kvproxy.config import ConfigError, Settings, load_settings
 from kvproxy.gate import GateOptions, run_gate
 from kvproxy.gate_record import engine_table, write_record
 
@@ -39,7 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pass even if deferred cancellations ended by timeout or shutdown (drain not "
         "confirmed); recorded in the release record",
     )
-    p.add_argument("--model", help="model id to request (default: the proxy's /v1/models)")
+    p.add_argument(
+        "--model",
+        help="model id to request (default: the proxy's /v1/models); with a models config, "
+        "the configured model to check (default: every one, a section each)",
+    )
     p.add_argument(
         "--probe-kind",
         choices=("auto", "text", "token_ids"),
@@ -50,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="directory for release-record.json and release-record.md")
 
 
-def options_from(args: argparse.Namespace) -> GateOptions:
+def gate_settings(args: argparse.Namespace) -> Settings:
+    """The config file plus --engines / --max-context (ConfigError: one line)."""
     overrides: dict[str, Any] = {}
     if args.engines:
         try:
@@ -59,7 +64,11 @@ def options_from(args: argparse.Namespace) -> GateOptions:
             raise ConfigError(f"invalid setting engines (--engines): not JSON: {exc}") from None
     if args.max_context is not None:
         overrides["max_context"] = args.max_context
-    settings = load_settings(config_path=args.config, overrides=overrides)
+    return load_settings(config_path=args.config, overrides=overrides)
+
+
+def options_from(args: argparse.Namespace, settings: Settings | None = None) -> GateOptions:
+    settings = settings or gate_settings(args)
     if not settings.engines:
         raise ConfigError("invalid setting engines (--engines / KVPROXY_ENGINES): none given")
 
@@ -86,7 +95,12 @@ def options_from(args: argparse.Namespace) -> GateOptions:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    opts = options_from(args)
+    settings = gate_settings(args)
+    if settings.models:
+        from kvproxy.gate_models import run_models_check  # one section per model
+
+        return run_models_check(args, settings)
+    opts = options_from(args, settings)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -35,9 +35,12 @@ class DeferredVerdict:
     detail: str
 
 
-async def deferred_counts(http: aiohttp.ClientSession, admin: str) -> dict[str, Any] | None:
+async def deferred_counts(
+    http: aiohttp.ClientSession, admin: str, model: str | None = None
+) -> dict[str, Any] | None:
     """The proxy's deferral counts by outcome and its admission limit, from admin /metrics;
-    None when the admin endpoint cannot be read."""
+    None when the admin endpoint cannot be read. `model` picks one configured model's limit
+    (its `model` label) on a proxy that serves several; the deferrals are the replica's."""
     try:
         with network_boundary():
             async with http.get(admin + "/metrics") as resp:
@@ -50,7 +53,9 @@ async def deferred_counts(http: aiohttp.ClientSession, admin: str) -> dict[str, 
         for s in fam.samples:
             if s.name == "kvproxy_deferred_cancellations_total":
                 counts[s.labels.get("outcome", "")] = s.value
-            elif s.name == "kvproxy_admission_limit_tokens":
+            elif s.name == "kvproxy_admission_limit_tokens" and (
+                model is None or s.labels.get("model") == model
+            ):
                 limit = int(s.value)
     unconfirmed = int(sum(counts.get(o, 0) for o in UNCONFIRMED_OUTCOMES))
     return {

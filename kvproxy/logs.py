@@ -64,6 +64,8 @@ class AccessRecord:
     decision: str = "passthrough"
     reason: str | None = None
     tenant: str | None = None
+    # The configured model the request was admitted against (several models only).
+    model: str | None = None
     prompt_tokens: int | None = None
     count_method: str | None = None
     # exact | upper-bound | lower-bound: what prompt_tokens is (X-Kvproxy-Prompt-Tokens-Kind).

@@ -37,6 +37,11 @@ COUNT_METHODS: tuple[CountMethod, ...] = get_args(CountMethod)
 # What TokenCounter.backend can be: the library that counts exactly, or the method.
 TOKENIZER_BACKENDS = ("fastokens", "hf", "tiktoken", "engine", "bytes")
 REDIS_UNAVAILABLE_POLICIES = ("local_share", "reject")
+# The `model` label's values: a configured model's name (kvproxy.models), this one for the
+# single-model form (it matches every name), and one bounded value for a request no
+# configured model was resolved for (an unknown name, a pass-through or refused route).
+SINGLE_MODEL = "default"
+UNKNOWN_MODEL = "_unknown"
 
 
 class Metrics:
@@ -49,8 +54,8 @@ class Metrics:
         # "refused" (kvproxy.routes.RouteMatch.label); never a path.
         self.requests_total = Counter(
             "kvproxy_requests_total",
-            "Requests handled, by route and admission decision.",
-            ["route", "decision"],
+            "Requests handled, by route, admission decision and model.",
+            ["route", "decision", "model"],
             registry=r,
         )
         self.responses_total = Counter(
@@ -105,35 +110,39 @@ class Metrics:
         # --- capacity ---------------------------------------------------------------------
         self.pool_capacity = Gauge(
             "kvproxy_pool_capacity_tokens",
-            "KV-cache pool each engine reports having allocated.",
-            ["engine", "role", "source"],
+            "KV-cache pool each engine reports having allocated (model: the model it serves).",
+            ["engine", "role", "source", "model"],
             registry=r,
         )
         self.engine_input_limit = Gauge(
             "kvproxy_engine_input_limit_tokens",
             "Largest prompt each engine accepts, derived from its runtime report.",
-            ["engine", "role", "source"],
+            ["engine", "role", "source", "model"],
             registry=r,
         )
         self.admission_limit = Gauge(
             "kvproxy_admission_limit_tokens",
-            "Largest prompt that is admitted (inclusive); 0 while capacity is unknown.",
+            "Largest prompt that is admitted (inclusive), by model; 0 while capacity is unknown.",
+            ["model"],
             registry=r,
         )
         self.decode_limit = Gauge(
             "kvproxy_decode_limit_tokens",
             "Largest prompt + output the engines serve in full, neither refused nor cut "
-            "(inclusive); 0 while unknown.",
+            "(inclusive), by model; 0 while unknown.",
+            ["model"],
             registry=r,
         )
         self.declared_context = Gauge(
             "kvproxy_declared_context_tokens",
-            "Context length declared in configuration (KVPROXY_MAX_CONTEXT); 0 if unset.",
+            "Context length declared in configuration (max_context), by model; 0 if unset.",
+            ["model"],
             registry=r,
         )
         self.capacity_known = Gauge(
             "kvproxy_capacity_known",
-            "1 when every engine has a fresh measurement, else 0.",
+            "1 when every engine of the model has a fresh measurement, else 0.",
+            ["model"],
             registry=r,
         )
         self.capacity_last_success = Gauge(
@@ -171,14 +180,14 @@ class Metrics:
         # --- admission --------------------------------------------------------------------
         self.rejections = Counter(
             "kvproxy_rejections_total",
-            "Requests refused before reaching the router, by reason.",
-            ["reason"],
+            "Requests refused before reaching the router, by reason and model.",
+            ["reason", "model"],
             registry=r,
         )
         self.prompt_tokens = Histogram(
             "kvproxy_prompt_tokens",
-            "Prompt tokens used for the decision (a bound or an exact count), by method.",
-            ["method"],
+            "Prompt tokens used for the decision (a bound or an exact count), by method and model.",
+            ["method", "model"],
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
@@ -205,7 +214,8 @@ class Metrics:
         self.token_bound_exceeded = Counter(
             "kvproxy_token_bound_exceeded_total",
             "Responses whose usage.prompt_tokens exceeded kvproxy's count or bound "
-            "(the configured tokenizer does not match the model).",
+            "(the model's configured tokenizer does not match it), by model.",
+            ["model"],
             registry=r,
         )
 
@@ -235,17 +245,20 @@ class Metrics:
         )
         self.budget_tokens_in_use = Gauge(
             "kvproxy_inflight_prompt_tokens",
-            "Prompt tokens held by requests whose upstream is still open.",
+            "Prompt tokens held by requests whose upstream is still open, by model.",
+            ["model"],
             registry=r,
         )
         self.budget_tokens_limit = Gauge(
             "kvproxy_inflight_prompt_tokens_limit",
-            "Configured in-flight prompt-token budget (0 = unlimited).",
+            "Configured in-flight prompt-token budget, by model (0 = unlimited).",
+            ["model"],
             registry=r,
         )
         self.queue_depth = Gauge(
             "kvproxy_queue_depth",
-            "Requests waiting for in-flight budget.",
+            "Requests waiting for in-flight budget, by model.",
+            ["model"],
             registry=r,
         )
         self.queue_wait = Histogram(
@@ -258,7 +271,8 @@ class Metrics:
         # --- the cluster budget on Redis (budget_backend: redis) ----------------------------
         self.budget_cluster_tokens = Gauge(
             "kvproxy_budget_cluster_prompt_tokens",
-            "Prompt tokens held by every replica sharing the Redis budget, as last seen.",
+            "Prompt tokens held by every replica sharing the model's Redis budget, as last seen.",
+            ["model"],
             registry=r,
         )
         self.budget_lease_renewals = Counter(
@@ -315,8 +329,14 @@ class Metrics:
         for policy in REDIS_UNAVAILABLE_POLICIES:
             self.budget_fallbacks.labels(policy)
         for method in COUNT_METHODS:
-            self.prompt_tokens.labels(method)
             self.admission_duration.labels(method)
+
+    def add_model(self, model: str) -> None:
+        """Pre-create a model's series (kvproxy.models calls it once per configured model),
+        so each model's counts export 0 rather than nothing."""
+        for method in COUNT_METHODS:
+            self.prompt_tokens.labels(method, model)
+        self.token_bound_exceeded.labels(model)
 
     def set_tokenizer_backend(self, backend: str) -> None:
         """Exactly one backend reads 1: the one the token counter uses."""

@@ -29,6 +29,7 @@ from kvproxy.clamp import clamp_output
 from kvproxy.errors import ErrorStyle, KvproxyError
 from kvproxy.headers import filter_headers
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
+from kvproxy.models import ModelServices
 from kvproxy.prompt import PromptShape, Route, parse_request
 from kvproxy.relay import Exchange
 from kvproxy.replies import client_gone, client_gone_response, error_response
@@ -76,7 +77,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     finally:
         rec.finish()
         state.metrics.request_duration.labels(rec.route).observe(rec.duration_s)
-        state.metrics.requests_total.labels(rec.route, rec.decision).inc()
+        state.metrics.requests_total.labels(
+            rec.route, rec.decision, state.models.label(rec.model)
+        ).inc()
         if state.settings.access_log:
             rec.emit(access_log)
         state.leave()
@@ -135,6 +138,7 @@ async def _handle(
 
     streaming = False
     lease = None
+    upstream = s.upstream
     if route is not None:
         if request.method != "POST":
             return _reject(state, rec, errors.method_not_allowed(request.method), style)
@@ -150,7 +154,14 @@ async def _handle(
         # The answer must come back uncompressed: the tripwire, the SSE reader and the usage
         # drift check read its bytes, and compressed bytes would hide a foreign marker.
         headers["Accept-Encoding"] = "identity"
-        decided = await _admit(state, route, body, rec)
+        # The model the request names picks the capacity, counter and budget (kvproxy.models).
+        svc = state.models.for_request(body)
+        if isinstance(svc, KvproxyError):
+            return _reject(state, rec, svc, style)
+        if not state.models.match_all:
+            rec.model = svc.name
+        upstream = svc.upstream
+        decided = await _admit(state, svc, route, body, rec)
         if isinstance(decided, KvproxyError):
             return _reject(state, rec, decided, style)
         shape, verdict = decided
@@ -160,7 +171,7 @@ async def _handle(
         extra["X-Kvproxy-Prompt-Tokens-Kind"] = rec.prompt_tokens_kind or "exact"
         try:
             # The budget holds what the engines will hold: every sequence, every sample.
-            lease = await state.budget.acquire(charge_tokens(verdict.total, shape.n))
+            lease = await svc.budget.acquire(charge_tokens(verdict.total, shape.n))
         except KvproxyError as err:
             return _reject(state, rec, err, style, extra)
         rec.decision = "admitted"
@@ -170,7 +181,7 @@ async def _handle(
             rec.decision = "abandoned"
             return None
         if lease.waited_s > 0:
-            again = admission.recheck(verdict, state.capacity.limits(), _policy(state))
+            again = admission.recheck(verdict, svc.capacity.limits(), _policy(state))
             if isinstance(again, admission.Reject):
                 lease.release()
                 return _reject(state, rec, again.error, style, extra)
@@ -196,7 +207,7 @@ async def _handle(
         style=style,
     )
     try:
-        url = s.upstream + request.rel_url.raw_path_qs
+        url = upstream + request.rel_url.raw_path_qs
         resp = await exchange.run(request.method, url, headers, body)
     finally:
         # I6: the budget comes back only now, when the upstream connection is closed.
@@ -210,10 +221,13 @@ async def _handle(
 
 
 async def _admit(
-    state: ServerState, route: Route, body: bytes, rec: AccessRecord
+    state: ServerState, svc: ModelServices, route: Route, body: bytes, rec: AccessRecord
 ) -> tuple[PromptShape, admission.Admit] | KvproxyError:
-    limits = state.capacity.limits()
-    pre = admission.precheck(limits, state.capacity.retry_after_s(), "no fresh measurement")
+    limits = svc.capacity.limits()
+    why = "no fresh measurement"
+    if not state.models.match_all:
+        why += f" of model {svc.name}'s engines"  # the others may be serving
+    pre = admission.precheck(limits, svc.capacity.retry_after_s(), why)
     if pre is not None:
         return pre.error
     try:
@@ -223,16 +237,16 @@ async def _admit(
     policy = _policy(state)
     t0 = time.perf_counter()
     try:
-        count = await state.counter.count(
+        count = await svc.counter.count(
             shape,
             admission.count_ceiling(shape, limits, policy),
-            admission.charge_ceiling(state.budget.max_tokens, shape),
+            admission.charge_ceiling(svc.budget.max_tokens, shape),
         )
     except KvproxyError as err:
         return err
     m = state.metrics
     m.admission_duration.labels(count.method).observe(time.perf_counter() - t0)
-    m.prompt_tokens.labels(count.method).observe(count.tokens)
+    m.prompt_tokens.labels(count.method, svc.name).observe(count.tokens)
     rec.prompt_tokens = count.tokens
     rec.count_method = count.method
     rec.prompt_tokens_kind = count.kind
@@ -256,7 +270,7 @@ def _reject(
 ) -> web.Response:
     rec.decision = "rejected"
     rec.reason = err.reason
-    state.metrics.rejections.labels(err.reason).inc()
+    state.metrics.rejections.labels(err.reason, state.models.label(rec.model)).inc()
     headers = dict(extra or {})
     headers["X-Request-ID"] = rec.request_id
     headers["X-Kvproxy-Decision"] = "rejected"
@@ -271,7 +285,7 @@ def _drift(state: ServerState, rec: AccessRecord, engine_tokens: int) -> None:
     if rec.count_method in ("exact", "engine"):
         state.metrics.token_count_drift.observe(engine_tokens - rec.prompt_tokens)
     if engine_tokens > rec.prompt_tokens:
-        state.metrics.token_bound_exceeded.inc()
+        state.metrics.token_bound_exceeded.labels(state.models.label(rec.model)).inc()
         log.warning(
             "engine counted more prompt tokens than kvproxy's %s (%d > %d): the configured "
             "tokenizer does not match the model",

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from kvproxy.budget import Budget
     from kvproxy.canary import CanaryRules
     from kvproxy.capacity import CapacityMonitor
+    from kvproxy.models import ModelTable
     from kvproxy.tenants import TenantResolver
     from kvproxy.tokens import TokenCounter
 
@@ -35,6 +36,9 @@ class ServerState:
     canaries: CanaryRules
     # Resolved when the shutdown grace period is over: deferred drains end as `shutdown`.
     hard_stop: asyncio.Future[None]
+    # Every model's capacity, counter and budget; the three fields above are its first
+    # model's (the single model's, when no `models` list is configured).
+    models: ModelTable
     # Set on SIGTERM: readiness false, new requests refused.
     stopping: bool = False
     inflight: int = 0

@@ -25,8 +25,8 @@ async def test_capacity_shows_the_measured_limit_not_the_declared_context(
             snap = await resp.json(content_type=None)
         async with http.get(proxy.admin_url + "/readyz") as resp:
             assert resp.status == 200
-        assert proxy.metrics.admission_limit._value.get() == 5315
-        assert proxy.metrics.declared_context._value.get() == 8192
+        assert proxy.metrics.admission_limit.labels("default")._value.get() == 5315
+        assert proxy.metrics.declared_context.labels("default")._value.get() == 8192
     engines = {e["role"]: e for e in snap["engines"]}
     prefill = engines["prefill"]["measurement"]
     assert prefill["input_limit_tokens"] == 5315

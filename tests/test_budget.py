@@ -32,8 +32,14 @@ def make(
                           metrics), metrics  # fmt: skip
 
 
+# The budget gauges carry a `model` label; these budgets are the single-model form's.
+MODEL_LABELLED = ("kvproxy_inflight_prompt_tokens", "kvproxy_inflight_prompt_tokens_limit",
+                  "kvproxy_queue_depth")  # fmt: skip
+
+
 def sample(m: Metrics, name: str) -> float:
-    value = m.registry.get_sample_value(name)
+    labels = {"model": "default"} if name in MODEL_LABELLED else {}
+    value = m.registry.get_sample_value(name, labels)
     assert value is not None, name
     return value
 

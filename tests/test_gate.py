@@ -373,7 +373,7 @@ async def test_the_gate_reports_the_limits_the_monitor_publishes(tmp_path: Path)
     from kvproxy.cli import build_parser
     from kvproxy.config import load_settings
     from kvproxy.gate_cli import options_from
-    from kvproxy.metrics import Metrics
+    from kvproxy.metrics import SINGLE_MODEL, Metrics
 
     async with SimCluster(sim_options(context_length=8192, prefill_pool_tokens=5322)) as sim:
         config = tmp_path / "kvproxy.yaml"
@@ -391,6 +391,9 @@ async def test_the_gate_reports_the_limits_the_monitor_publishes(tmp_path: Path)
     # By hand: SGLang refuses len >= max_req_input_len = min(8,192, 5,322) - 6, so the
     # largest prompt is 5,315; minus the margin, 5,300.
     assert published.admission_limit_tokens == 5300
-    assert metrics.registry.get_sample_value("kvproxy_admission_limit_tokens") == 5300
+    limit = metrics.registry.get_sample_value(
+        "kvproxy_admission_limit_tokens", {"model": SINGLE_MODEL}
+    )
+    assert limit == 5300
     assert record.limits == published.to_json()
     assert record.safe_max_context_tokens == 5315

@@ -98,5 +98,5 @@ async def test_engine_counting_more_than_the_proxy_is_flagged(
         body = {"model": "m", "messages": [{"role": "user", "content": "short"}]}
         async with http.post(proxy.public_url + "/v1/chat/completions", json=body) as resp:
             assert resp.status == 200
-        assert proxy.metrics.token_bound_exceeded._value.get() == 1
+        assert proxy.metrics.token_bound_exceeded.labels("default")._value.get() == 1
     assert "tokenizer does not match the model" in captured.getvalue()

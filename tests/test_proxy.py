@@ -241,7 +241,9 @@ async def test_metrics_endpoint_parses(upstream: FakeUpstream, http: aiohttp.Cli
         "kvproxy_admission_limit_tokens",
     ):
         assert expected in names, expected
-    assert metrics[("kvproxy_requests_total", (("decision", "admitted"), ("route", "chat")))] == 1
+    # The single-model form carries one fixed `model` value.
+    key = (("decision", "admitted"), ("model", "default"), ("route", "chat"))
+    assert metrics[("kvproxy_requests_total", key)] == 1
 
 
 async def test_healthz_and_readyz(upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:

@@ -144,7 +144,9 @@ async def test_unknown_routes_are_404_and_reach_nothing(
         async with http.request(method, yarl_raw(url), data=body) as resp:
             status, headers, reply = resp.status, resp.headers, await resp.json()
         after = await routed(http, sim.router_url)
-        refused = proxy.state.metrics.requests_total.labels("refused", "rejected")._value.get()
+        refused = proxy.state.metrics.requests_total.labels(
+            "refused", "rejected", "default"
+        )._value.get()
     assert status == 404, reply
     assert reply["error"]["code"] == "route_not_found"
     assert headers["X-Kvproxy-Decision"] == "rejected"

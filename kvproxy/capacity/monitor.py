@@ -36,7 +36,7 @@ from kvproxy.capacity.limits import Limits, limits_for
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError, Role
 from kvproxy.capacity.probes import probe_engine
 from kvproxy.config import EngineSpec, Settings
-from kvproxy.metrics import Metrics
+from kvproxy.metrics import SINGLE_MODEL, Metrics
 from kvproxy.posture.tracker import PostureTracker
 
 log = logging.getLogger("kvproxy.capacity")
@@ -77,8 +77,11 @@ class CapacityMonitor:
         resolver: Resolver | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        model: str = SINGLE_MODEL,
     ) -> None:
         self._settings = settings
+        # The `model` label of the limit gauges (kvproxy.models: one monitor per model).
+        self._model = model
         self._metrics = metrics
         self._session = session
         self._own_session = False
@@ -101,7 +104,7 @@ class CapacityMonitor:
         self._refreshes = 0
         self._last_refresh_at: float | None = None
         self._next_refresh_mono: float | None = None
-        metrics.declared_context.set(settings.max_context or 0)
+        metrics.declared_context.labels(model).set(settings.max_context or 0)
         self.posture = PostureTracker(settings, metrics)
         self._publish(self._limits)
 
@@ -275,8 +278,9 @@ class CapacityMonitor:
         st.measurement, st.success_mono = m, self._clock()
         st.last_error, st.consecutive_errors = None, 0
         mx = self._metrics
-        mx.pool_capacity.labels(m.engine, m.role, m.source).set(m.pool_tokens)
-        mx.engine_input_limit.labels(m.engine, m.role, m.source).set(m.input_limit_tokens)
+        model = self._model
+        mx.pool_capacity.labels(m.engine, m.role, m.source, model).set(m.pool_tokens)
+        mx.engine_input_limit.labels(m.engine, m.role, m.source, model).set(m.input_limit_tokens)
         mx.capacity_last_success.labels(m.engine).set(m.measured_at)
         self.posture.observe_failures(m.engine, m.posture)
 
@@ -290,7 +294,7 @@ class CapacityMonitor:
             m = st.measurement
             for gauge in (mx.pool_capacity, mx.engine_input_limit):
                 with contextlib.suppress(KeyError):
-                    gauge.remove(m.engine, m.role, m.source)
+                    gauge.remove(m.engine, m.role, m.source, self._model)
         for reason in st.error_reasons:
             with contextlib.suppress(KeyError):
                 mx.capacity_probe_errors.remove(st.label, reason)
@@ -349,9 +353,12 @@ class CapacityMonitor:
     def _publish(self, limits: Limits) -> None:
         mx = self._metrics
         # 0 means "unknown" on the dashboards (the metric help text says so).
-        mx.admission_limit.set((limits.admission_limit_tokens or 0) if limits.known else 0)
-        mx.decode_limit.set((limits.decode_limit_tokens or 0) if limits.known else 0)
-        mx.capacity_known.set(1 if limits.known else 0)
+        model = self._model
+        mx.admission_limit.labels(model).set(
+            (limits.admission_limit_tokens or 0) if limits.known else 0
+        )
+        mx.decode_limit.labels(model).set((limits.decode_limit_tokens or 0) if limits.known else 0)
+        mx.capacity_known.labels(model).set(1 if limits.known else 0)
 
     # --- admin surface ----------------------------------------------------------------
 

@@ -88,13 +88,20 @@ async def test_measured_limit_replaces_declared_context(
     assert lim.decode_limit_tokens == 8190
     assert lim.declared_context == 8192
 
-    assert sample(metrics, "kvproxy_admission_limit_tokens") == 5315
-    assert sample(metrics, "kvproxy_decode_limit_tokens") == 8190
-    assert sample(metrics, "kvproxy_declared_context_tokens") == 8192
-    assert sample(metrics, "kvproxy_capacity_known") == 1
+    assert sample(metrics, "kvproxy_admission_limit_tokens", model="default") == 5315
+    assert sample(metrics, "kvproxy_decode_limit_tokens", model="default") == 8190
+    assert sample(metrics, "kvproxy_declared_context_tokens", model="default") == 8192
+    assert sample(metrics, "kvproxy_capacity_known", model="default") == 1
     p = f"127.0.0.1:{prefill.port}"
     assert (
-        sample(metrics, "kvproxy_pool_capacity_tokens", engine=p, role="prefill", source="measured")
+        sample(
+            metrics,
+            "kvproxy_pool_capacity_tokens",
+            engine=p,
+            role="prefill",
+            source="measured",
+            model="default",
+        )
         == 5322
     )
     assert (
@@ -104,6 +111,7 @@ async def test_measured_limit_replaces_declared_context(
             engine=p,
             role="prefill",
             source="measured",
+            model="default",
         )
         == 5315
     )
@@ -148,8 +156,8 @@ async def test_engine_down_at_start_is_not_ready_and_answers_503(
     assert (
         sample(metrics, "kvproxy_capacity_probe_errors_total", engine=label, reason="connect") == 1
     )
-    assert sample(metrics, "kvproxy_capacity_known") == 0
-    assert sample(metrics, "kvproxy_admission_limit_tokens") == 0
+    assert sample(metrics, "kvproxy_capacity_known", model="default") == 0
+    assert sample(metrics, "kvproxy_admission_limit_tokens", model="default") == 0
     snap = mon.snapshot_json()
     assert snap["engines"][0]["state"] == "unmeasured"
     assert snap["engines"][0]["last_error"]["reason"] == "connect"
@@ -185,8 +193,8 @@ async def test_engine_gone_later_goes_stale_after_the_window(
     clock.advance(31)  # 61 s since the last success: stale, even without another refresh
     assert not mon.ready()
     assert not mon.limits().known
-    assert sample(metrics, "kvproxy_capacity_known") == 0
-    assert sample(metrics, "kvproxy_admission_limit_tokens") == 0
+    assert sample(metrics, "kvproxy_capacity_known", model="default") == 0
+    assert sample(metrics, "kvproxy_admission_limit_tokens", model="default") == 0
     engine = mon.snapshot_json()["engines"][0]
     assert engine["state"] == "stale"
     assert engine["measurement"]["pool_tokens"] == 5322  # still shown, no longer used
@@ -210,7 +218,7 @@ async def test_restart_with_smaller_pool_takes_effect_on_the_next_refresh(
     with caplog.at_level(logging.INFO, logger="kvproxy.capacity"):
         await mon.refresh_now()
     assert mon.limits().admission_limit_tokens == 3993
-    assert sample(metrics, "kvproxy_admission_limit_tokens") == 3993
+    assert sample(metrics, "kvproxy_admission_limit_tokens", model="default") == 3993
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "5,322 -> 4,000" in text
     assert "5,315 -> 3,993" in text
@@ -261,7 +269,7 @@ async def test_fallback_limit_is_declared_and_ready(
     lim = mon.limits()
     assert mon.ready()
     assert (lim.admission_limit_tokens, lim.source, lim.fallback_used) == (4000, "declared", True)
-    assert sample(metrics, "kvproxy_admission_limit_tokens") == 4000
+    assert sample(metrics, "kvproxy_admission_limit_tokens", model="default") == 4000
 
 
 async def test_static_engines_need_no_network(
@@ -277,7 +285,12 @@ async def test_static_engines_need_no_network(
     assert (lim.known, lim.admission_limit_tokens, lim.source) == (True, 65536, "declared")
     assert (
         sample(
-            metrics, "kvproxy_pool_capacity_tokens", engine="p", role="prefill", source="declared"
+            metrics,
+            "kvproxy_pool_capacity_tokens",
+            engine="p",
+            role="prefill",
+            source="declared",
+            model="default",
         )
         == 65536
     )
@@ -344,6 +357,7 @@ async def test_discovery_expands_a_headless_service_and_forgets_gone_pods(
             engine=f"127.0.0.1:{port}",
             role="prefill",
             source="measured",
+            model="default",
         )
         is None
     )

@@ -70,8 +70,14 @@ async def test_sim_prefill_pool_binds_not_the_declared_context(
         await mon.refresh_now()
     lim = mon.limits()
     assert (lim.known, lim.admission_limit_tokens, lim.source) == (True, 5315, "measured")
-    assert metrics.registry.get_sample_value("kvproxy_admission_limit_tokens") == 5315
-    assert metrics.registry.get_sample_value("kvproxy_declared_context_tokens") == 8192
+    assert (
+        metrics.registry.get_sample_value("kvproxy_admission_limit_tokens", {"model": "default"})
+        == 5315
+    )
+    assert (
+        metrics.registry.get_sample_value("kvproxy_declared_context_tokens", {"model": "default"})
+        == 8192
+    )
     # Decode pool 16,384 > context: max_req_len = 8,191, so prompt + output <= 8,190 is
     # generated without the scheduler cutting max_new_tokens.
     assert lim.decode_limit_tokens == 8190

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy.app import KvproxyServer
 from kvproxy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
+from kvproxy.metrics import SINGLE_MODEL
 from kvproxy.prompt import Route
 from kvproxy.sim import SimCluster, SimOptions
 
@@ -262,7 +263,24 @@ async def proxy_for(
 # --- reading metrics --------------------------------------------------------------------------
 
 
+# Families that carry a `model` label: these stacks run the single-model form, whose one
+# fixed value is kvproxy.metrics.SINGLE_MODEL.
+MODEL_LABELLED = frozenset({
+    "kvproxy_requests_total",
+    "kvproxy_rejections_total",
+    "kvproxy_admission_limit_tokens",
+    "kvproxy_decode_limit_tokens",
+    "kvproxy_declared_context_tokens",
+    "kvproxy_capacity_known",
+    "kvproxy_inflight_prompt_tokens",
+    "kvproxy_inflight_prompt_tokens_limit",
+    "kvproxy_queue_depth",
+})  # fmt: skip
+
+
 def sample(server: KvproxyServer, name: str, **labels: str) -> float:
+    if name in MODEL_LABELLED:
+        labels.setdefault("model", SINGLE_MODEL)
     value = server.metrics.registry.get_sample_value(name, labels)
     return float(value or 0.0)
 

@@ -115,7 +115,7 @@ async def test_slowloris_body_gets_408_and_frees_the_handler(
                 assert head_.startswith(b"HTTP/1.1 408"), answer[:200]
                 assert orjson.loads(body)["error"]["code"] == "request_timeout"
         assert await wait_until(lambda: proxy.state.inflight == 0)
-        assert proxy.metrics.rejections.labels("body_read_timeout")._value.get() == 8
+        assert proxy.metrics.rejections.labels("body_read_timeout", "default")._value.get() == 8
         # Still serving.
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.public_port)
         writer.write(

@@ -136,7 +136,8 @@ class Traffic:
 
         # Leave mid-prefill: the upstream stays open until the transfer is over, or until
         # the short drain timeout (outcome=timeout).
-        tokens_held = lambda: (self.sample("kvproxy_inflight_prompt_tokens") or 0) > 0  # noqa: E731
+        held = {"model": "default"}
+        tokens_held = lambda: (self.sample("kvproxy_inflight_prompt_tokens", held) or 0) > 0  # noqa: E731
         for size in (300, 4000, 4000):
             await poll(self.idle, "the previous request to end")
             body = completion("z" * size, stream=True)

@@ -178,8 +178,8 @@ async def test_over_limit_is_bad_request_with_our_code(http: aiohttp.ClientSessi
             assert n_err.value.param == "n"
         stats = await sim_stats(http, sim)
         assert routed(stats) == 0
-        assert proxy.metrics.rejections.labels("context_length")._value.get() == 3
-        assert proxy.metrics.rejections.labels("decode_budget")._value.get() == 1
+        assert proxy.metrics.rejections.labels("context_length", "default")._value.get() == 3
+        assert proxy.metrics.rejections.labels("decode_budget", "default")._value.get() == 1
 
 
 async def test_capacity_unknown_is_the_sdks_503() -> None:
@@ -231,6 +231,6 @@ async def test_inflight_budget_is_the_sdks_rate_limit(http: aiohttp.ClientSessio
             held.close()  # the client leaves; the slot comes back when upstream closes (I6)
         assert await wait_until(lambda: proxy.state.inflight == 0, 30)
         assert await asyncio.to_thread(_sync_chat, proxy.public_url)
-        assert proxy.metrics.rejections.labels("over_budget")._value.get() == 2
+        assert proxy.metrics.rejections.labels("over_budget", "default")._value.get() == 2
         stats = await sim_stats(http, sim)
         assert routed(stats) == 2

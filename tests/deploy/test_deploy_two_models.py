@@ -1,0 +1,31 @@
+"""The two-models component composes with each overlay: the mounted kvproxy.yaml is the
+component's, it loads as two models with distinct engines, and every object stays valid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from deploytest import mounted_config, one, overlays, pod_spec, render_with_components
+from test_deploy_render import validate
+
+from kvproxy.config import load_settings
+from kvproxy.models_config import model_settings
+
+
+@pytest.mark.parametrize("overlay", overlays())
+def test_two_models_compose_with_each_overlay(tmp_path: Path, overlay: str) -> None:
+    objs = render_with_components(tmp_path, f"overlays/{overlay}", ["components/two-models"])
+    for obj in objs:
+        validate(obj)
+    cfg = mounted_config(objs, pod_spec(one(objs, "Deployment", "kvproxy")))
+    settings = load_settings(**cfg)
+    entries = model_settings(settings)
+    assert [spec.name for spec, _ in entries if spec is not None] == [
+        "Qwen/Qwen3-8B",
+        "zai-org/GLM-4.7",
+    ]
+    urls = [{e.url for e in ms.engines} for _, ms in entries]
+    assert not urls[0] & urls[1]  # each model measured on its own engines
+    assert settings.default_model == "Qwen/Qwen3-8B"
+    assert settings.readiness == "any"
