@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import nginx
 import procstat
+import profile_phases
 import report
 import targets
 import workloads
@@ -284,6 +285,18 @@ class Bench:
                     rows[name].append(r)
         return _median_rows(rows)
 
+    def profile(self, chat: Upstream, sse: Upstream) -> dict[str, Any]:
+        """py-spy's top entries per policy step and for the SSE relay (profile_phases)."""
+
+        def opts(tok: str | None, env: tuple[tuple[str, str], ...]) -> targets.KvproxyOptions:
+            base = self.kvproxy_opts("exact", tokenizer=tok)
+            return targets.KvproxyOptions(base.tokenizer, base.engine_url, env)
+
+        seconds = 5.0 if self.args.mode == "full" else 3.0
+        return profile_phases.profile_phases(
+            POLICY_STEPS, opts, chat, sse, seconds=seconds, sse_chunks=SSE_CHUNKS, log=self.log
+        )
+
     def budget_cost(self, chat: Upstream) -> dict[str, Any] | None:
         """The in-flight budget on Redis against the local one: the same small chat, with a
         budget far above what the load holds (so nothing waits), one Redis round trip to
@@ -471,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         results["small_chat"], results["sse"] = small, relay
         if args.mode != "tiny":
             results["policy_cost"] = bench.policy_cost(chat)
+            results["profile"] = bench.profile(chat, sse)
             results["budget_backend"] = bench.budget_cost(chat)
             results["long_prompts"] = bench.long_prompts(chat, starters)
             results["decision_latency"] = bench.decision_latency()
