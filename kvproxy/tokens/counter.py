@@ -44,6 +44,7 @@ from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
 from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest
+from kvproxy.tokens.frames import frames_for
 from kvproxy.tokens.local import EarlyStopping, LocalTokenizer, Partial
 from kvproxy.tokens.templates import ChatTemplate
 
@@ -102,6 +103,9 @@ class _Plan:
     fixed: int
     # Whether `count(texts) + fixed` is the engine's exact number.
     exact: bool
+    # The render came from a proven frame (tokens.frames), not from jinja: used to admit on
+    # the bound only; a decision near the limit renders plainly (`_count`).
+    framed: bool = False
 
 
 class _WorkerFailed(Exception):
@@ -130,6 +134,7 @@ class TokenCounter:
         self._trust_bound = bound_rule is not None
         self._rule: BoundRule = bound_rule or "nfc"
         self._template = template
+        self._frames = frames_for(template)
         self._local = local
         self._engine = engine
         self._specials = special_tokens
@@ -202,6 +207,10 @@ class TokenCounter:
         fits = bound <= admit_at_most and (total_at_most is None or total <= total_at_most)
         if (self._trust_bound and fits) or self.method == "bound":
             return TokenCount(bound, "bound", exact=False, total_tokens=total, bound=bound)
+        if any(p.framed for p in plans):
+            # Near the limit: the decision rests on the template's own render.
+            plans = [self._plan_chat(p.seq, framed=False) if p.framed else p for p in plans]
+            bound = max(p.bound for p in plans)
         if self._local is not None:
             counted = await self._offload(self._exact_local, plans, admit_at_most)
         else:
@@ -255,8 +264,13 @@ class TokenCounter:
         exact = len(seq.texts) <= 1 and not (seq.images or seq.audios)
         return _Plan(seq, False, bound, seq.texts, (), False, fixed, exact)
 
-    def _plan_chat(self, seq: SequencePrompt) -> _Plan:
+    def _plan_chat(self, seq: SequencePrompt, framed: bool = True) -> _Plan:
         media = self._media(seq)
+        segments = self._frames.render(seq) if framed and self._frames is not None else None
+        if segments is not None:
+            # A plain chat: the frame filled with its contents IS the render (tokens.frames).
+            bound = bounds.segments_bound(segments, self._rule) + media
+            return _Plan(seq, True, bound, segments, (), True, media, media == 0, framed=True)
         if self._template is not None:
             # One render per distinct engine normalisation; plain role/content chats on a
             # "string"-format template (the common case) have exactly one.

@@ -14,8 +14,8 @@ SITE = "/work/main/.venv/lib/python3.11/site-packages"
 COLLAPSED = "\n".join(
     [
         # 6 samples in the handler's render, 3 in aiohttp's writer, 1 in the idle loop.
-        f"_run_module_as_main (<frozen runpy>:198);handle (/w/kvproxy/proxy.py:10);"
-        f"render (/w/kvproxy/tokens/templates.py:20);root (<template>:3) 6",
+        "_run_module_as_main (<frozen runpy>:198);handle (/w/kvproxy/proxy.py:10);"
+        "render (/w/kvproxy/tokens/templates.py:20);root (<template>:3) 6",
         f"_run_module_as_main (<frozen runpy>:198);handle (/w/kvproxy/proxy.py:12);"
         f"_writelines ({SITE}/aiohttp/http_writer.py:80) 3",
         "run (/usr/lib/python3.11/asyncio/runners.py:118) 1",
@@ -31,7 +31,10 @@ def test_summarise_counts_self_and_kvproxy_inclusive_shares() -> None:
     assert ("aiohttp/http_writer.py:_writelines", 30.0) in got["self"]
     inclusive = dict(got["inclusive"])
     # Lines of one function add up; only kvproxy's own functions are listed inclusive.
-    assert inclusive == {"kvproxy/proxy.py:handle": 90.0, "kvproxy/tokens/templates.py:render": 60.0}
+    assert inclusive == {
+        "kvproxy/proxy.py:handle": 90.0,
+        "kvproxy/tokens/templates.py:render": 60.0,
+    }
 
 
 def test_section_lists_each_phase_and_says_why_one_is_missing() -> None:
@@ -45,7 +48,8 @@ def test_section_lists_each_phase_and_says_why_one_is_missing() -> None:
         }
     }
     md = "\n".join(profile_phases.section(r))
-    assert "### relay only" in md and "| 60.0 | `<template>:root` |" in md
+    assert "### relay only" in md
+    assert "| 60.0 | `<template>:root` |" in md
     assert "Not profiled: StartError: no" in md
     skipped = profile_phases.section({"profile": {"skipped": "py-spy could not be installed"}})
     assert "Not profiled: py-spy could not be installed." in skipped
