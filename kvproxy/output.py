@@ -113,6 +113,74 @@ _ERROR = 3
 def read_value(obj: Any, gen: list[tuple[str, str]] | None = None) -> Reading:
     """Every string in a decoded event or body, and whether it carries generated output.
     `gen`, when given, receives (path, text) of each string that counts as output."""
+    if gen is None and type(obj) is dict:
+        fast = _one_choice_chunk(obj)
+        if fast is not None:
+            return fast
+    return _read_value(obj, gen)
+
+
+def _one_choice_chunk(obj: dict[str, Any]) -> Reading | None:
+    """The walk's reading of the streamed event nearly every chat stream is made of: one
+    choice whose only container is a flat object (its `delta`), no other container at the
+    top level. The same paths, texts, keys and output as `_read_value`, in the same order
+    (tests/test_output.py holds them equal on generated objects), at half the cost per
+    event; None for any other shape, which `_read_value` then reads."""
+    choices = obj.get("choices")
+    if type(choices) is not list or len(choices) != 1 or _shape(obj)[0] != _RECORD_KEY:
+        return None
+    choice = choices[0]
+    index = choice.get("index") if type(choice) is dict else None
+    if type(index) is not int:
+        return None
+    paths: list[str] = []
+    texts: list[str] = []
+    keys = list(obj)
+    for k, v in obj.items():
+        tv = type(v)
+        if tv is str:
+            paths.append(SEP + k)
+            texts.append(v)
+        elif (tv is dict or tv is list) and k != "choices":
+            return None
+    keys.extend(choice)
+    prefix = SEP + "choices" + SEP + "#" + str(index) + SEP
+    out = False
+    inner: tuple[str, dict[str, Any]] | None = None
+    envelope = ENVELOPE_KEYS
+    for k, x in choice.items():
+        tx = type(x)
+        if tx is str:
+            paths.append(prefix + k)
+            texts.append(x)
+            if x and k not in envelope:
+                out = True
+        elif tx is dict:
+            if inner is not None:
+                return None
+            inner = (k, x)
+        elif tx is list:
+            return None
+    if inner is not None:
+        k, d = inner
+        counts = k not in envelope
+        keys.extend(d)
+        sub = prefix + k + SEP
+        for kk, x in d.items():
+            tx = type(x)
+            if tx is str:
+                paths.append(sub + kk)
+                texts.append(x)
+                if counts and x and kk not in envelope:
+                    out = True
+            elif tx is dict or tx is list:
+                return None
+    paths.append(KEYS_PATH)
+    texts.append("\x00".join(keys))
+    return Reading(paths, texts, out, False, False, _prompt_tokens(obj))
+
+
+def _read_value(obj: Any, gen: list[tuple[str, str]] | None) -> Reading:
     if type(obj) is list:  # a /generate batch body: a list of records, read in order
         paths: list[str] = []
         texts: list[str] = []
