@@ -184,33 +184,57 @@ class TokenCounter:
         Raises `invalid_request` (the chat template refuses the messages) or
         `count_unavailable` (timeout, tokenizer or engine failure).
         """
+        small = shape.text_chars <= INLINE_CHARS and all(
+            p.message_count <= INLINE_MESSAGES for p in shape.prompts
+        )
         try:
+            plans = None
+            if small:
+                # Planned inline; when the bound decides, nothing was awaited and there is
+                # nothing for a timeout to bound (entering one costs ~4 us per request).
+                plans = self._plan(shape)
+                decided = self._on_bound(plans, admit_at_most, total_at_most)
+                if decided is not None:
+                    return decided
             async with asyncio.timeout(self._timeout_s):
-                return await self._count(shape, admit_at_most, total_at_most)
+                return await self._count(shape, admit_at_most, total_at_most, plans)
         except TimeoutError:
             raise errors.count_unavailable(f"over {self._timeout_s:g} s") from None
         except _WorkerFailed as exc:
             raise errors.count_unavailable(f"tokenizer failed: {exc}") from None
 
-    async def _count(
-        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
-    ) -> TokenCount:
-        small = shape.text_chars <= INLINE_CHARS and all(
-            p.message_count <= INLINE_MESSAGES for p in shape.prompts
-        )
-        if small:
-            plans = self._plan(shape)
-        else:
-            plans = await self._offload(self._plan, shape)
+    def _on_bound(
+        self, plans: list[_Plan], admit_at_most: int, total_at_most: int | None
+    ) -> TokenCount | None:
+        """The decision on the bounds alone, or None: an exact count is needed."""
         bound = max(p.bound for p in plans)
         total = sum(p.bound for p in plans)
         fits = bound <= admit_at_most and (total_at_most is None or total <= total_at_most)
         if (self._trust_bound and fits) or self.method == "bound":
             return TokenCount(bound, "bound", exact=False, total_tokens=total, bound=bound)
-        if any(p.framed for p in plans):
-            # Near the limit: the decision rests on the template's own render.
-            plans = [self._plan_chat(p.seq, framed=False) if p.framed else p for p in plans]
-            bound = max(p.bound for p in plans)
+        return None
+
+    def _unframed(self, plans: list[_Plan]) -> list[_Plan]:
+        # Near the limit: the decision rests on the template's own render.
+        return [self._plan_chat(p.seq, framed=False) if p.framed else p for p in plans]
+
+    async def _count(
+        self,
+        shape: PromptShape,
+        admit_at_most: int,
+        total_at_most: int | None,
+        plans: list[_Plan] | None,
+    ) -> TokenCount:
+        if plans is None:  # a large shape: planned (and rendered) off the loop
+            plans = await self._offload(self._plan, shape)
+            decided = self._on_bound(plans, admit_at_most, total_at_most)
+            if decided is not None:
+                return decided
+            if any(p.framed for p in plans):
+                plans = await self._offload(self._unframed, plans)
+        elif any(p.framed for p in plans):
+            plans = self._unframed(plans)
+        bound = max(p.bound for p in plans)
         if self._local is not None:
             counted = await self._offload(self._exact_local, plans, admit_at_most)
         else:

@@ -275,3 +275,36 @@ def test_shapes_are_bounded() -> None:
     for i in range(frames.MAX_SHAPES + 10):
         c.render(seq([{"role": f"r{i}", "content": "x"}]))
     assert len(c._shapes) == frames.MAX_SHAPES
+
+
+async def test_a_large_chat_near_the_limit_renders_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    class Chars:  # a local tokenizer: one token per character
+        special_tokens = 0
+
+        def count(self, texts: Any) -> tuple[int, bool]:
+            return sum(map(len, texts)), True
+
+        def count_segments(self, segments: Any) -> tuple[int, bool]:
+            return self.count(segments)
+
+        def describe(self) -> str:
+            return "chars"
+
+    t = ChatTemplate(LOOP + "<|{{ m.role }}|>{{ m.content }}" + END)
+    threads: list[int] = []
+    real = t.render_all
+    monkeypatch.setattr(t, "render_all", lambda s: threads.append(threading.get_ident()) or real(s))
+    c = TokenCounter(bound_rule="bytes", template=t, local=Chars())  # type: ignore[arg-type]
+    body = {"messages": [{"role": "user", "content": "x" * 40_000}]}
+    try:
+        got = await c.count(parse_request("chat", orjson.dumps(body)), 40_007)
+    finally:
+        await c.aclose()
+    assert got.method == "exact"
+    assert got.tokens == len("<|user|>") + 40_000
+    assert threads
+    assert threading.get_ident() not in threads
