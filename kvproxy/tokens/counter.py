@@ -6,7 +6,10 @@ tokens, and the fixed costs (token ids, configured image/audio costs, special to
 measured template overhead when no template is known). Then:
 
   1. bound <= admit_at_most (and the tokenizer family has a guaranteed bound): admit on the
-     bound; nothing is tokenized;
+     bound; nothing is tokenized. A plain chat's render comes from its shape's proven frame
+     (`tokens.frames`: the same string, with no jinja render), so a small chat far below
+     the limit costs a dict walk; when that bound does not admit, the template is rendered
+     plainly and the decision rests on that render;
   2. otherwise count exactly: fastokens / HF / tiktoken in worker threads that release the
      GIL, or the engine's `/tokenize`. A local count stops as soon as the decision is known
      (`local.HfTokenizer._encode`): once the tokens counted so far exceed `admit_at_most`
