@@ -156,6 +156,18 @@ class _ProbeEnvironment(_t._GuardedEnvironment):
             raise _Refused
         return super().getitem(obj, argument)
 
+    # `'%.3s' % content` would cut or pad the marker, not the text (and `str.__rmod__`
+    # formats a probe without asking it): `%` with a content on either side refuses.
+    intercepted_binops = frozenset({"%"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        items = right if isinstance(right, tuple | list) else (right,)
+        if isinstance(right, dict):
+            items = tuple(right.values())
+        if self._marked(left) or any(self._marked(x) for x in items):
+            raise _Refused
+        return super().call_binop(context, operator, left, right)
+
 
 def _asker(probe: _Probe, op: str) -> Callable[..., bool]:
     def ask(prefix: Any, *rest: Any, **kwargs: Any) -> bool:

@@ -179,6 +179,12 @@ END = "{% endfor %}"
         "{{ m.content.startswith('H', 1) }}",
         "{{ m.content|replace('o', 'oooo') }}",
         "{{ '%s'|format(m.content) }}",
+        "{{ '%.3s' % m.content }}",
+        "{{ '%-40s|' % m.content }}",
+        "{{ '%s' % (m.content,) }}",
+        "{{ '%(c)s' % {'c': m.content} }}",
+        "{{ ('%s' ~ m.content) % 1 }}",
+        "{{ '{:>40}'.format(m.content) }}",
         "{{ m.content|e }}",
         "{{ raise_exception('no') }}",
         "{% if 1 < m.content < 2 %}x{% endif %}",
@@ -201,6 +207,7 @@ def test_templates_that_look_inside_a_content_are_refused(body: str) -> None:
         ("{% if m.content is string and m.content %}s{% endif %}", "s"),
         ("{% if m.content is eq 'Hello, World' %}eq{% endif %}", "eq"),
         ("{{ messages|map(attribute='content')|join('|') }}", "Hello, World"),
+        ("{{ '%d:' % 3 }}{{ m.content }}", "3:Hello, World"),
     ],
 )
 def test_templates_that_only_ask_reproducible_questions_get_a_frame(
