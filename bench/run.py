@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.metadata as md
 import json
 import shlex
 import shutil
@@ -36,6 +35,7 @@ import procstat
 import profile_phases
 import report
 import targets
+import versions
 import workloads
 from servers import Managed, StartError, free_port, stop_all, wait_port
 from targets import LOAD_CPU, Running, Upstream
@@ -92,70 +92,6 @@ PROFILES = {
 }
 
 
-def _versions() -> dict[str, str]:
-    out = {}
-    for pkg in ("kvproxy", "aiohttp", "uvloop", "tokenizers", "prometheus-client"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    out["litellm"] = _peer_version("litellm")
-    out["nginx"] = procstat.tool_version("nginx")
-    out["wrk"] = procstat.tool_version("wrk")
-    git = subprocess.run(
-        ["git", "-C", str(BENCH.parent), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    dirty = subprocess.run(
-        ["git", "-C", str(BENCH.parent), "status", "--porcelain", "kvproxy"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    out["kvproxy commit"] = git.stdout.strip() + (
-        " (+ uncommitted kvproxy/ changes)" if dirty.stdout.strip() else ""
-    )
-    return out
-
-
-def _peer_version(pkg: str) -> str:
-    # The dist-info directory names the version; `pip show` would take two seconds.
-    found = sorted(targets.PEERS_VENV.glob(f"lib/python*/site-packages/{pkg}-*.dist-info"))
-    if not found:
-        return "not installed"
-    version = found[-1].name[len(pkg) + 1 : -len(".dist-info")]
-    return f"{version} (bench/out/peers-venv)"
-
-
-def install_litellm() -> str | None:
-    """`pip install 'litellm[proxy]'` into bench/out/peers-venv (once); None on success,
-    else why not."""
-    if targets.litellm_available() is None:
-        return None
-    venv = targets.PEERS_VENV
-    print(f"installing litellm[proxy] into {venv} (bench-peers only)", flush=True)
-    steps = [
-        [sys.executable, "-m", "venv", str(venv)],
-        [
-            str(venv / "bin" / "pip"),
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            "litellm[proxy]",
-        ],
-    ]
-    for cmd in steps:
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-        except subprocess.TimeoutExpired:
-            return f"{shlex.join(cmd)} timed out after 900 s"
-        if done.returncode != 0:
-            return f"{shlex.join(cmd)} failed: " + done.stderr.strip()[-300:]
-    return targets.litellm_available()
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args = args
@@ -204,7 +140,7 @@ class Bench:
             "kvproxy": targets.kvproxy_starter(self.kvproxy_opts("exact")),
         }
         if self.args.peers:
-            why = install_litellm()
+            why = versions.install_litellm()
             if why is None:
                 # Same limit kvproxy measures from the simulator (max_req_input_len - 1).
                 out["litellm"] = targets.litellm_starter(POOL_EXACT - 8)
@@ -507,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     meta["wall_s"] = time.monotonic() - started
     meta["load_end"] = procstat.load_average()
-    meta["versions"] = _versions()
-    meta["commands"] = commands(meta)
+    meta["versions"] = versions.versions()
+    meta["commands"] = versions.commands(meta)
     md_path, json_path = report.write(results, args.out)
     bench.log(f"wrote {md_path} and {json_path}")
     for v in results["verdicts"]:
@@ -553,16 +489,6 @@ def method_lines(pinned: bool, bench: Bench) -> list[str]:
         "(a sidecar with a 1-CPU limit); the 4 MB exact count would be faster with two.",
         f"Rounds: {bench.rounds}; each figure is the median over rounds; target order rotated "
         "per round; every target restarted per workload.",
-    ]
-
-
-def commands(meta: dict[str, Any]) -> list[str]:
-    return [
-        "make bench            # = .venv/bin/python bench/run.py",
-        "make bench-peers      # = .venv/bin/python bench/run.py --peers (installs litellm)",
-        f"this run: {meta['command']}",
-        "pinning: taskset -c 0 <server>; taskset -c 1 wrk -t1 -cN -dDs -s load.lua URL "
-        "(the harness itself runs on CPU 1)",
     ]
 
 
