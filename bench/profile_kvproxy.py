@@ -17,13 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import nginx
 import procstat
+import profile_phases
 import targets
 import workloads
 from payloads import long_chat_body, small_chat_body
@@ -32,51 +32,17 @@ from servers import Managed, free_port, stop_all, wait_port
 from wrk_driver import run_wrk
 
 OUT = targets.BENCH / "out"
-PY_SPY = targets.PEERS_VENV / "bin" / "py-spy"
 
 
-def ensure_py_spy() -> Path:
-    if PY_SPY.exists():
-        return PY_SPY
-    if not (targets.PEERS_VENV / "bin" / "pip").exists():
-        subprocess.run([sys.executable, "-m", "venv", str(targets.PEERS_VENV)], check=True)
-    pip = targets.PEERS_VENV / "bin" / "pip"
-    subprocess.run([str(pip), "install", "-q", "--disable-pip-version-check", "py-spy"], check=True)
-    return PY_SPY
-
-
-def summarise(collapsed: Path, top: int) -> list[str]:
-    """Self and inclusive sample shares per `file:function` from py-spy's collapsed stacks."""
-    self_n: Counter[str] = Counter()
-    incl_n: Counter[str] = Counter()
-    total = 0
-    for line in collapsed.read_text().splitlines():
-        stack, _, n_text = line.rpartition(" ")
-        if not stack or not n_text.isdigit():
-            continue
-        n = int(n_text)
-        total += n
-        frames = [_frame(f) for f in stack.split(";")]
-        if frames:
-            self_n[frames[-1]] += n
-        for f in set(frames):
-            incl_n[f] += n
-    if not total:
+def _lines(collapsed: Path, top: int) -> list[str]:
+    got = profile_phases.summarise(collapsed.read_text(), top)
+    if not got["samples"]:
         return ["no samples"]
-    out = [f"{total} samples", "", "self %  function"]
-    out += [f"{100 * n / total:5.1f}  {f}" for f, n in self_n.most_common(top)]
-    out += ["", "incl %  function"]
-    out += [f"{100 * n / total:5.1f}  {f}" for f, n in incl_n.most_common(top)]
+    out = [f"{got['samples']} samples", "", "self %  function"]
+    out += [f"{pct:5.1f}  {f}" for f, pct in got["self"]]
+    out += ["", "incl %  kvproxy function"]
+    out += [f"{pct:5.1f}  {f}" for f, pct in got["inclusive"]]
     return out
-
-
-def _frame(raw: str) -> str:
-    # py-spy writes "function (path/to/file.py:LINE)"; keep file:function, drop the line so
-    # samples on different lines of one function add up.
-    name, _, where = raw.partition(" (")
-    path = where.rstrip(")").rsplit(":", 1)[0]
-    short = path.split("site-packages/")[-1].split("/work/main/")[-1]
-    return f"{short}:{name}"
 
 
 def main() -> int:
@@ -85,7 +51,10 @@ def main() -> int:
     p.add_argument("--seconds", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
-    spy = ensure_py_spy()
+    spy = profile_phases.ensure_py_spy()
+    if isinstance(spy, str):
+        print(spy, file=sys.stderr)
+        return 2
     procstat.pin_self(targets.LOAD_CPU)
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvbench-prof-") as tmp:
@@ -150,7 +119,7 @@ def main() -> int:
         finally:
             stop_all()
     print(f"kvproxy under '{args.workload}' ({collapsed}):")
-    print("\n".join(summarise(collapsed, args.top)))
+    print("\n".join(_lines(collapsed, args.top)))
     return 0
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import profile_phases
+
 Results = dict[str, Any]
 
 
@@ -265,7 +267,7 @@ def render(r: Results) -> str:
     ]
     out += _table(["target", "chunks/s", "CPU µs/chunk", "p50 ms per stream", "errors"], rows)
     out += ["", "Ratios of CPU per chunk: " + _ratios(r, "sse", "cpu_us_per_chunk"), ""]
-    out += _policy_section(r) + _budget_section(r) + _long_section(r)
+    out += _policy_section(r) + profile_phases.section(r) + _budget_section(r) + _long_section(r)
     out += _mixed_section(r) + _memory_section(r)
     if r.get("problems"):
         out += ["## Correctness problems seen (figures above are affected)", ""]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.metadata as md
 import json
 import shlex
 import shutil
@@ -33,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import nginx
 import procstat
+import profile_phases
 import report
 import targets
+import versions
 import workloads
 from servers import Managed, StartError, free_port, stop_all, wait_port
 from targets import LOAD_CPU, Running, Upstream
@@ -91,70 +92,6 @@ PROFILES = {
 }
 
 
-def _versions() -> dict[str, str]:
-    out = {}
-    for pkg in ("kvproxy", "aiohttp", "uvloop", "tokenizers", "prometheus-client"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    out["litellm"] = _peer_version("litellm")
-    out["nginx"] = procstat.tool_version("nginx")
-    out["wrk"] = procstat.tool_version("wrk")
-    git = subprocess.run(
-        ["git", "-C", str(BENCH.parent), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    dirty = subprocess.run(
-        ["git", "-C", str(BENCH.parent), "status", "--porcelain", "kvproxy"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    out["kvproxy commit"] = git.stdout.strip() + (
-        " (+ uncommitted kvproxy/ changes)" if dirty.stdout.strip() else ""
-    )
-    return out
-
-
-def _peer_version(pkg: str) -> str:
-    # The dist-info directory names the version; `pip show` would take two seconds.
-    found = sorted(targets.PEERS_VENV.glob(f"lib/python*/site-packages/{pkg}-*.dist-info"))
-    if not found:
-        return "not installed"
-    version = found[-1].name[len(pkg) + 1 : -len(".dist-info")]
-    return f"{version} (bench/out/peers-venv)"
-
-
-def install_litellm() -> str | None:
-    """`pip install 'litellm[proxy]'` into bench/out/peers-venv (once); None on success,
-    else why not."""
-    if targets.litellm_available() is None:
-        return None
-    venv = targets.PEERS_VENV
-    print(f"installing litellm[proxy] into {venv} (bench-peers only)", flush=True)
-    steps = [
-        [sys.executable, "-m", "venv", str(venv)],
-        [
-            str(venv / "bin" / "pip"),
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            "litellm[proxy]",
-        ],
-    ]
-    for cmd in steps:
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-        except subprocess.TimeoutExpired:
-            return f"{shlex.join(cmd)} timed out after 900 s"
-        if done.returncode != 0:
-            return f"{shlex.join(cmd)} failed: " + done.stderr.strip()[-300:]
-    return targets.litellm_available()
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args = args
@@ -203,7 +140,7 @@ class Bench:
             "kvproxy": targets.kvproxy_starter(self.kvproxy_opts("exact")),
         }
         if self.args.peers:
-            why = install_litellm()
+            why = versions.install_litellm()
             if why is None:
                 # Same limit kvproxy measures from the simulator (max_req_input_len - 1).
                 out["litellm"] = targets.litellm_starter(POOL_EXACT - 8)
@@ -283,6 +220,18 @@ class Bench:
                 if r:
                     rows[name].append(r)
         return _median_rows(rows)
+
+    def profile(self, chat: Upstream, sse: Upstream) -> dict[str, Any]:
+        """py-spy's top entries per policy step and for the SSE relay (profile_phases)."""
+
+        def opts(tok: str | None, env: tuple[tuple[str, str], ...]) -> targets.KvproxyOptions:
+            base = self.kvproxy_opts("exact", tokenizer=tok)
+            return targets.KvproxyOptions(base.tokenizer, base.engine_url, env)
+
+        seconds = 5.0 if self.args.mode == "full" else 3.0
+        return profile_phases.profile_phases(
+            POLICY_STEPS, opts, chat, sse, seconds=seconds, sse_chunks=SSE_CHUNKS, log=self.log
+        )
 
     def budget_cost(self, chat: Upstream) -> dict[str, Any] | None:
         """The in-flight budget on Redis against the local one: the same small chat, with a
@@ -471,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         results["small_chat"], results["sse"] = small, relay
         if args.mode != "tiny":
             results["policy_cost"] = bench.policy_cost(chat)
+            results["profile"] = bench.profile(chat, sse)
             results["budget_backend"] = bench.budget_cost(chat)
             results["long_prompts"] = bench.long_prompts(chat, starters)
             results["decision_latency"] = bench.decision_latency()
@@ -493,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     meta["wall_s"] = time.monotonic() - started
     meta["load_end"] = procstat.load_average()
-    meta["versions"] = _versions()
-    meta["commands"] = commands(meta)
+    meta["versions"] = versions.versions()
+    meta["commands"] = versions.commands(meta)
     md_path, json_path = report.write(results, args.out)
     bench.log(f"wrote {md_path} and {json_path}")
     for v in results["verdicts"]:
@@ -539,16 +489,6 @@ def method_lines(pinned: bool, bench: Bench) -> list[str]:
         "(a sidecar with a 1-CPU limit); the 4 MB exact count would be faster with two.",
         f"Rounds: {bench.rounds}; each figure is the median over rounds; target order rotated "
         "per round; every target restarted per workload.",
-    ]
-
-
-def commands(meta: dict[str, Any]) -> list[str]:
-    return [
-        "make bench            # = .venv/bin/python bench/run.py",
-        "make bench-peers      # = .venv/bin/python bench/run.py --peers (installs litellm)",
-        f"this run: {meta['command']}",
-        "pinning: taskset -c 0 <server>; taskset -c 1 wrk -t1 -cN -dDs -s load.lua URL "
-        "(the harness itself runs on CPU 1)",
     ]
 
 

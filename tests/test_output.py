@@ -3,9 +3,14 @@ definition the tripwire and the drain's first-token detection share (#15.1, #24.
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvproxy import output
 from kvproxy.output import (
     KEYS_PATH,
     SEP,
@@ -163,3 +168,109 @@ def test_body_texts_shapes() -> None:
     assert body_texts(b'{"error":{"message":"x"}}') == []
     assert body_texts(b"plain \xff text") == ["plain \ufffd text"]
     assert body_texts(b"") == []
+
+
+# --- the one-choice fast path reads exactly what the walk reads -------------------------
+
+_KEYS = ["id", "object", "model", "created", "usage", "error", "system_fingerprint", "text",
+         "content", "role", "finish_reason", "index", "delta", "logprobs", "type",
+         "meta_info"]  # fmt: skip
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False, width=32)
+    | st.sampled_from(["", "tok", "KVCANARY-acme-0123456789abcdef", "\x1f", "role"]),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.sampled_from(_KEYS[8:12]), inner, max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+_CHOICE = st.dictionaries(
+    st.sampled_from(_KEYS),
+    st.one_of(_JSON, st.dictionaries(st.sampled_from(_KEYS), _JSON, max_size=4)),
+    max_size=5,
+)
+_TOP = st.dictionaries(st.sampled_from(_KEYS), _JSON, max_size=5)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    top=_TOP,
+    choices=st.lists(
+        st.tuples(st.one_of(st.integers(0, 2), st.none(), st.just("0")), _CHOICE), max_size=2
+    ),
+    where=st.integers(0, 5),
+)
+def test_the_one_choice_fast_path_reads_what_the_walk_reads(
+    top: dict[str, Any], choices: list[tuple[Any, dict[str, Any]]], where: int
+) -> None:
+    listed = [{"index": i, **c} if i is not None else c for i, c in choices]
+    items = list(top.items())
+    items.insert(min(where, len(items)), ("choices", listed))  # "choices" anywhere in order
+    obj = dict(items)
+    fast = output._one_choice_chunk(obj)
+    walked = output._read_value(obj, None)
+    if fast is None:
+        return
+    assert (fast.paths, fast.texts) == (walked.paths, walked.texts)
+    assert (fast.output, fast.done, fast.error, fast.prompt_tokens) == (
+        walked.output, walked.done, walked.error, walked.prompt_tokens
+    )  # fmt: skip
+
+
+def test_the_fast_path_takes_the_benchmark_and_engine_chunks() -> None:
+    # The shapes it exists for: SGLang / vLLM token deltas, with a role-only first event,
+    # and a non-streamed body with its usage.
+    for delta in ({"content": "tok"}, {"role": "assistant", "content": ""}, {"reasoning": "r"}):
+        obj = orjson.loads(chat_chunk(0, **delta))
+        assert output._one_choice_chunk(obj) is not None
+    message = {"role": "assistant", "content": "a"}
+    body = {"id": "c", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1}}  # fmt: skip
+    fast = output._one_choice_chunk(body)
+    assert fast is not None
+    assert fast.output
+    assert fast.prompt_tokens == 3
+    usage = {"choices": [], "usage": {"prompt_tokens": 3}}
+    assert output._one_choice_chunk(usage) is None  # no choice: the walk reads it
+
+
+_FLAT = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 3)
+    | st.sampled_from(["", "tok", "KVCANARY-acme-0123456789abcdef", "\x1f", "assistant", "error"])
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    top=st.dictionaries(
+        st.sampled_from(_KEYS),
+        _FLAT | st.dictionaries(st.sampled_from(_KEYS), _FLAT | st.just([1]), max_size=3),
+        max_size=5,
+    ),
+    choice=st.dictionaries(st.sampled_from(_KEYS), _FLAT, max_size=3),
+    inner=st.one_of(st.none(), st.tuples(st.sampled_from(_KEYS), st.dictionaries(
+        st.sampled_from(_KEYS), _FLAT | st.just({}) | st.just([1]), max_size=4))),
+    index=st.integers(0, 3),
+    where=st.integers(0, 5),
+)  # fmt: skip
+def test_chunk_shaped_objects_read_the_same_on_both_paths(
+    top: dict[str, Any],
+    choice: dict[str, Any],
+    inner: tuple[str, dict[str, Any]] | None,
+    index: int,
+    where: int,
+) -> None:
+    c = {**choice, "index": index}
+    if inner is not None:
+        c[inner[0]] = inner[1]
+    items = [(k, v) for k, v in top.items() if k != "choices"]
+    items.insert(min(where, len(items)), ("choices", [c]))
+    obj = dict(items)
+    fast = output._one_choice_chunk(obj)
+    walked = output._read_value(obj, None)
+    if fast is None:
+        return
+    assert (fast.paths, fast.texts) == (walked.paths, walked.texts)
+    assert (fast.output, fast.done, fast.error, fast.prompt_tokens) == (
+        walked.output, walked.done, walked.error, walked.prompt_tokens
+    )  # fmt: skip

@@ -111,6 +111,18 @@ def is_plain(messages: Iterable[Mapping[str, Any]]) -> bool:
     return all(len(m) == 2 and isinstance(m.get("content"), str) for m in messages)
 
 
+def passes_unchanged(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Any] | None,
+    engines: Sequence[EngineKind],
+    formats: Sequence[ContentFormat],
+) -> bool:
+    """Every configured engine hands these messages to the template as they are."""
+    return (
+        tools is None and is_plain(messages) and (formats[0] == "string" or "vllm" not in engines)
+    )
+
+
 def engine_messages(
     messages: Sequence[Mapping[str, Any]], engine: EngineKind, content_format: ContentFormat
 ) -> list[dict[str, Any]]:
@@ -141,9 +153,9 @@ def template_variants(
     Plain role/content messages without tools pass unchanged except through vLLM on a
     template detected as "openai" (string content becomes a one-part list); for them no
     second render is made when the format is only possibly "openai" (`content_formats`)."""
+    if passes_unchanged(messages, tools, engines, formats):
+        return [([dict(m) for m in messages], None)]
     if tools is None and is_plain(messages):
-        if formats[0] == "string" or "vllm" not in engines:
-            return [([dict(m) for m in messages], None)]
         formats = formats[:1]
     variants: list[Variant] = []
     for engine in engines:

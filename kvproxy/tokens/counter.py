@@ -6,7 +6,10 @@ tokens, and the fixed costs (token ids, configured image/audio costs, special to
 measured template overhead when no template is known). Then:
 
   1. bound <= admit_at_most (and the tokenizer family has a guaranteed bound): admit on the
-     bound; nothing is tokenized;
+     bound; nothing is tokenized. A plain chat's render comes from its shape's proven frame
+     (`tokens.frames`: the same string, with no jinja render), so a small chat far below
+     the limit costs a dict walk; when that bound does not admit, the template is rendered
+     plainly and the decision rests on that render;
   2. otherwise count exactly: fastokens / HF / tiktoken in worker threads that release the
      GIL, or the engine's `/tokenize`. A local count stops as soon as the decision is known
      (`local.HfTokenizer._encode`): once the tokens counted so far exceed `admit_at_most`
@@ -45,6 +48,7 @@ from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
 from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest
+from kvproxy.tokens.frames import frames_for
 from kvproxy.tokens.local import EarlyStopping, LocalTokenizer, Partial
 from kvproxy.tokens.templates import ChatTemplate
 
@@ -77,6 +81,9 @@ class _Plan:
     fixed: int
     # Whether `count(texts) + fixed` is the engine's exact number.
     exact: bool
+    # The render came from a proven frame (tokens.frames), not from jinja: used to admit on
+    # the bound only; a decision near the limit renders plainly (`_count`).
+    framed: bool = False
 
 
 class _WorkerFailed(Exception):
@@ -105,6 +112,7 @@ class TokenCounter:
         self._trust_bound = bound_rule is not None
         self._rule: BoundRule = bound_rule or "nfc"
         self._template = template
+        self._frames = frames_for(template)
         self._local = local
         self._engine = engine
         self._specials = special_tokens
@@ -154,29 +162,57 @@ class TokenCounter:
         Raises `invalid_request` (the chat template refuses the messages) or
         `count_unavailable` (timeout, tokenizer or engine failure).
         """
+        small = shape.text_chars <= INLINE_CHARS and all(
+            p.message_count <= INLINE_MESSAGES for p in shape.prompts
+        )
         try:
+            plans = None
+            if small:
+                # Planned inline; when the bound decides, nothing was awaited and there is
+                # nothing for a timeout to bound (entering one costs ~4 us per request).
+                plans = self._plan(shape)
+                decided = self._on_bound(plans, admit_at_most, total_at_most)
+                if decided is not None:
+                    return decided
             async with asyncio.timeout(self._timeout_s):
-                return await self._count(shape, admit_at_most, total_at_most)
+                return await self._count(shape, admit_at_most, total_at_most, plans)
         except TimeoutError:
             raise errors.count_unavailable(f"over {self._timeout_s:g} s") from None
         except _WorkerFailed as exc:
             raise errors.count_unavailable(f"tokenizer failed: {exc}") from None
 
-    async def _count(
-        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
-    ) -> TokenCount:
-        small = shape.text_chars <= INLINE_CHARS and all(
-            p.message_count <= INLINE_MESSAGES for p in shape.prompts
-        )
-        if small:
-            plans = self._plan(shape)
-        else:
-            plans = await self._offload(self._plan, shape)
+    def _on_bound(
+        self, plans: list[_Plan], admit_at_most: int, total_at_most: int | None
+    ) -> TokenCount | None:
+        """The decision on the bounds alone, or None: an exact count is needed."""
         bound = max(p.bound for p in plans)
         total = sum(p.bound for p in plans)
         fits = bound <= admit_at_most and (total_at_most is None or total <= total_at_most)
         if (self._trust_bound and fits) or self.method == "bound":
             return TokenCount(bound, "bound", exact=False, total_tokens=total, bound=bound)
+        return None
+
+    def _unframed(self, plans: list[_Plan]) -> list[_Plan]:
+        # Near the limit: the decision rests on the template's own render.
+        return [self._plan_chat(p.seq, framed=False) if p.framed else p for p in plans]
+
+    async def _count(
+        self,
+        shape: PromptShape,
+        admit_at_most: int,
+        total_at_most: int | None,
+        plans: list[_Plan] | None,
+    ) -> TokenCount:
+        if plans is None:  # a large shape: planned (and rendered) off the loop
+            plans = await self._offload(self._plan, shape)
+            decided = self._on_bound(plans, admit_at_most, total_at_most)
+            if decided is not None:
+                return decided
+            if any(p.framed for p in plans):
+                plans = await self._offload(self._unframed, plans)
+        elif any(p.framed for p in plans):
+            plans = self._unframed(plans)
+        bound = max(p.bound for p in plans)
         if self._local is not None:
             counted = await self._offload(self._exact_local, plans, admit_at_most)
         else:
@@ -230,8 +266,13 @@ class TokenCounter:
         exact = len(seq.texts) <= 1 and not (seq.images or seq.audios)
         return _Plan(seq, False, bound, seq.texts, (), False, fixed, exact)
 
-    def _plan_chat(self, seq: SequencePrompt) -> _Plan:
+    def _plan_chat(self, seq: SequencePrompt, framed: bool = True) -> _Plan:
         media = self._media(seq)
+        segments = self._frames.render(seq) if framed and self._frames is not None else None
+        if segments is not None:
+            # A plain chat: the frame filled with its contents IS the render (tokens.frames).
+            bound = bounds.segments_bound(segments, self._rule) + media
+            return _Plan(seq, True, bound, segments, (), True, media, media == 0, framed=True)
         if self._template is not None:
             # One render per distinct engine normalisation; plain role/content chats on a
             # "string"-format template (the common case) have exactly one.

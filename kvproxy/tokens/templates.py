@@ -94,6 +94,7 @@ class ChatTemplate:
         self.bos_token = self.special_tokens["bos_token"]
         self.eos_token = self.special_tokens["eos_token"]
         self.origin = origin
+        self.source = source
         self.content_formats = chatnorm.content_formats(source)
         # The engine kinds whose normalisation is counted (build_counter narrows it from the
         # configured engines); the default covers both.
