@@ -46,11 +46,14 @@ import operator
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from kvproxy.config import CanaryTenant, ConfigError, Settings
+from kvproxy.errors import ConfigError
 from kvproxy.output import SEP, read_body
 from kvproxy.tenants import sanitize_tenant
+
+if TYPE_CHECKING:
+    from kvproxy.config import CanaryTenant, Settings
 
 # Longest text one marker may match: the per-index tail is this minus one.
 MAX_MARKER_CHARS = 1024

@@ -37,14 +37,12 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-MIB = 1024 * 1024
+from kvproxy.errors import ConfigError as ConfigError  # raised here; callers import it here
 
 if TYPE_CHECKING:
     from kvproxy.models_config import ModelSpec
 
-
-class ConfigError(Exception):
-    """A setting is invalid; the message is one line naming it."""
+MIB = 1024 * 1024
 
 
 class EngineSpec(BaseModel):

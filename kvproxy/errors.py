@@ -59,6 +59,11 @@ def error_style(route: str | None) -> ErrorStyle:
     return STYLE_BY_ROUTE.get(route or "", "openai")
 
 
+class ConfigError(Exception):
+    """A setting is invalid; the message is one line naming it (kvproxy.config raises it,
+    and so does whatever compiles a setting, such as the canary rules)."""
+
+
 @dataclass(frozen=True)
 class KvproxyError(Exception):
     """An outcome kvproxy answers itself: status, OpenAI error fields, metric reason."""

@@ -213,8 +213,8 @@ async def _handle(
         # I6: the budget comes back only now, when the upstream connection is closed.
         if lease is not None:
             lease.release()
-    if exchange.usage.prompt_tokens is not None and rec.prompt_tokens is not None:
-        _drift(state, rec, exchange.usage.prompt_tokens)
+    if exchange.prompt_tokens is not None and rec.prompt_tokens is not None:
+        _drift(state, rec, exchange.prompt_tokens)
     # A streamed response must be handed back to aiohttp itself: returning any other object
     # would make it write a second status line onto the same keep-alive connection.
     return resp if resp is not None else exchange.client

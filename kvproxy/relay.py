@@ -3,11 +3,11 @@ drain state machine when the client leaves.
 
 The policy lives in `drain.DrainMachine` (sans-IO); this module only feeds it events
 (headers, chunks, EOF, errors, client gone, deadline, shutdown) and executes its decisions.
-The per-chunk guards that need the response bytes (the canary tripwire, first-output
-detection, `usage`) live in `guard.StreamGuard`; this module forwards what it allows, only
-whole scanned events. Every error body it builds has the request's `style` (the route's,
-`errors.error_style`). It never logs or stores response text beyond what those guards
-need for one response (I8).
+What the response bytes mean (the canary tripwire, first-output detection, `usage`, what
+may be forwarded and what must be withheld) is decided by `inspector.ResponseInspector`
+(sans-IO); this module forwards what it allows and counts and logs what it reports.
+Every error body it builds has the request's `style` (the route's, `errors.error_style`).
+It never logs or stores response text (I8).
 
 Why the two read paths: racing every read against the disconnect watcher costs a task per
 chunk. Once a token has reached a present client the transfer is over, and a disconnect is
@@ -21,7 +21,6 @@ import contextlib
 import io
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -31,25 +30,18 @@ from multidict import CIMultiDict
 from kvproxy import drain, errors
 from kvproxy.canary import CanaryHit, CanaryScanner
 from kvproxy.errors import ErrorStyle, KvproxyError, UpstreamFailure
-from kvproxy.guard import StreamGuard
 from kvproxy.headers import filter_headers
+from kvproxy.inspector import ResponseInspector, Step
 from kvproxy.logs import AccessRecord, log_event
 from kvproxy.netio import network_boundary
-from kvproxy.output import read_payload
 from kvproxy.replies import error_response
 from kvproxy.sse import SSEError
 from kvproxy.state import ServerState
 
 log = logging.getLogger("kvproxy.relay")
 
-# A non-streaming body is kept (up to this size) to read usage and scan for canaries.
-KEEP_BODY_BYTES = 8 * 1024 * 1024
+# Above this a request body is sent in pieces (`_body_payload`).
 LARGE_BODY_BYTES = 1024 * 1024
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int | None = None
 
 
 class _Signal:
@@ -94,10 +86,13 @@ class Exchange:
         self.shutdown_seen = False
         self.upstream: aiohttp.ClientResponse | None = None
         self.client: web.StreamResponse | None = None
-        self.usage = Usage()
-        self.guard: StreamGuard | None = None
+        self.inspector: ResponseInspector | None = None
         self.token_seen = False
-        self.kept = bytearray()
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt size the upstream reported in `usage`, if it did."""
+        return self.inspector.prompt_tokens if self.inspector is not None else None
 
     # --- the racing wait ----------------------------------------------------------------
 
@@ -231,6 +226,8 @@ class Exchange:
 
     def _must_buffer(self, up: aiohttp.ClientResponse) -> bool:
         # A non-streamed body can only be withheld (canary block) if we hold it until scanned.
+        if self.inspector is not None:
+            return self.inspector.hold
         return (
             self.scanner is not None
             and self.state.settings.canary_action == "block"
@@ -241,9 +238,12 @@ class Exchange:
         self, up: aiohttp.ClientResponse, t_sent: float
     ) -> web.StreamResponse | None:
         is_sse = _is_sse(up)
-        if is_sse:
-            self.guard = StreamGuard(self.scanner)
-        buffering = self._must_buffer(up)
+        self.inspector = insp = ResponseInspector(
+            self.scanner,
+            sse=is_sse,
+            block=self.state.settings.canary_action == "block",
+            read_usage=not self.streaming,
+        )
         got_first = False
         while True:
             fast = got_first and not self.gone_seen and (self.token_seen or not self.streaming)
@@ -273,59 +273,51 @@ class Exchange:
                 return await self._fail_midway(err)
             now = time.monotonic()
             if not chunk:
-                if self.guard is not None and (rest := self.guard.finish()):
-                    if self._report(self.guard.hits):
-                        return await self._block(up)
-                    if not self.gone_seen and not await self._write(up, rest):
-                        return None
+                end = insp.finish()
+                if self._report(end):
+                    return await self._block(up)
+                tail = is_sse and end.forward and not self.gone_seen
+                if tail and not await self._write(up, end.forward):
+                    return None
                 self.machine.handle(drain.UpstreamEOF(now=now))
-                return await self._finish(up, buffering)
+                return await self._finish(up, end)
             got_first = True
             # A token already reached a present client: the machine is STREAMING and every
             # chunk maps to Forward without changing it (drain.py's table), so the hot path
             # skips building and dispatching the event; a disconnect brings it back.
             steady = self.token_seen and not self.gone_seen
             try:
-                chunk, has_token = self._inspect(chunk)
+                step = insp.feed(chunk)
             except SSEError:
                 return await self._fail_midway(errors.upstream_bad_response("oversized SSE event"))
-            if has_token:
+            if step.output:
                 self.token_seen = True
-            if has_token or self.guard is None:
+            if step.output or not is_sse:
                 # TTFT: the first generated output of a stream (whatever field carries it),
                 # the first body byte of anything else.
                 self._observe_ttft(now - t_sent)
-            if self.guard is not None and self._report(self.guard.hits):
+            if self._report(step):
                 return await self._block(up)
             if not steady:
-                decision = self.machine.handle(drain.UpstreamChunk(now=now, has_token=has_token))
+                decision = self.machine.handle(drain.UpstreamChunk(now=now, has_token=step.output))
                 if isinstance(decision, drain.CloseUpstream):
                     return None
                 if isinstance(decision, drain.Discard):
                     continue
-            if buffering:
-                self.kept += chunk
-                if len(self.kept) > KEEP_BODY_BYTES * 8:
-                    # Too big to hold for scanning; fail closed rather than deliver unscanned.
-                    too_big = errors.upstream_bad_response("response too large to scan")
-                    return await self._block(up, too_big)
-                continue
-            if not is_sse and len(self.kept) < self._keep_limit():
-                # Observe mode relays as it reads, but the tripwire still reads the whole
-                # body (to the same bound block mode holds), not only its first 8 MiB.
-                self.kept += chunk
-                if len(self.kept) >= self._keep_limit() and self.scanner is not None:
-                    log_event(
-                        log,
-                        logging.WARNING,
-                        "response too large to scan for canaries: the rest is not scanned",
-                        request_id=self.record.request_id,
-                    )
-            if chunk and not await self._write(up, chunk):
+            truncated = insp.truncated
+            kept = insp.keep(step.forward)
+            if kept.refuse is not None:
+                # Too big to hold for scanning; fail closed rather than deliver unscanned.
+                return await self._block(up, kept.refuse)
+            if insp.truncated and not truncated:
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "response too large to scan for canaries: the rest is not scanned",
+                    request_id=self.record.request_id,
+                )
+            if kept.forward and not await self._write(up, kept.forward):
                 return None
-
-    def _keep_limit(self) -> int:
-        return KEEP_BODY_BYTES * 8 if self.scanner is not None else KEEP_BODY_BYTES
 
     async def _write(self, up: aiohttp.ClientResponse, chunk: bytes) -> bool:
         """Relay one chunk; False when the upstream must now be closed (client gone at a
@@ -340,55 +332,30 @@ class Exchange:
                 return False
         return True
 
-    def _inspect(self, chunk: bytes) -> tuple[bytes, bool]:
-        """The bytes of this chunk that may be forwarded, and whether it carries generated
-        output. Raises SSEError when one event outgrows the parser's bound."""
-        if self.guard is None:
-            return chunk, False
-        forward, output = self.guard.feed(chunk)
-        if self.guard.prompt_tokens is not None:
-            self.usage.prompt_tokens = self.guard.prompt_tokens
-        return forward, output
-
     def _observe_ttft(self, ttft: float) -> None:
         if self.record.ttft_s is None:
             self.record.ttft_s = ttft
             self.state.metrics.upstream_ttft.observe(ttft)
 
-    def _report(self, hits: list[CanaryHit]) -> bool:
+    def _report(self, step: Step) -> bool:
         """Count and log each hit; True when the response must be withheld now."""
-        for hit in hits:
+        for hit in step.hits:
             self._report_canary(hit)
         # Observe only counts. After a disconnect nothing reaches anyone, so the chunk goes
         # to the drain machine like any other (it carries a token).
-        return bool(hits) and self.state.settings.canary_action == "block" and not self.gone_seen
+        return step.withhold and not self.gone_seen
 
-    async def _finish(
-        self, up: aiohttp.ClientResponse, buffering: bool
-    ) -> web.StreamResponse | None:
-        body = bytes(self.kept)
-        if body and not self.streaming:
-            # The same reading of `usage` the stream guard uses (output.read_payload).
-            tokens = read_payload(body).prompt_tokens
-            if tokens is not None:
-                self.usage.prompt_tokens = tokens
-        if self.scanner is not None and body and not _is_sse(up):
-            hit = self.scanner.scan_body(body)
-            if hit is not None:
-                self._report_canary(hit)
-                if buffering and not self.gone_seen:
-                    return await self._block(up)
-        if buffering:
-            if self.gone_seen:
-                return None
-            headers = filter_headers(up.headers)
-            headers.update(self.extra_headers)
-            self.record.bytes_out += len(self.kept)
-            return web.Response(
-                status=up.status, reason=up.reason, headers=headers, body=bytes(self.kept)
-            )
+    async def _finish(self, up: aiohttp.ClientResponse, end: Step) -> web.StreamResponse | None:
         if self.gone_seen:
             return None
+        assert self.inspector is not None
+        if self.inspector.hold:
+            headers = filter_headers(up.headers)
+            headers.update(self.extra_headers)
+            self.record.bytes_out += len(end.forward)
+            return web.Response(
+                status=up.status, reason=up.reason, headers=headers, body=end.forward
+            )
         with contextlib.suppress(ConnectionResetError, RuntimeError):
             client = self.client or await self._start_client(up)
             await client.write_eof()

@@ -20,8 +20,10 @@ import hashlib
 import hmac
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from kvproxy.config import Settings
+if TYPE_CHECKING:
+    from kvproxy.config import Settings
 
 MAX_TENANT_LEN = 64
 UNKNOWN_TENANT = "unknown"

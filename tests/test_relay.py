@@ -16,7 +16,7 @@ from aiohttp import web
 from kvtest import FakeUpstream, canary_settings, running_proxy, wait_until
 from ports import free_port
 
-from kvproxy import relay, sse
+from kvproxy import inspector, sse
 
 CHAT = "/v1/chat/completions"
 GENERATE = "/generate"
@@ -283,7 +283,7 @@ async def test_generate_stall_and_reset_answer_in_sglang_shape(
 async def test_generate_scan_overflows_answer_in_sglang_shape(
     upstream: FakeUpstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(relay, "KEEP_BODY_BYTES", 512)  # holds 8 x this for a block scan
+    monkeypatch.setattr(inspector, "SCAN_BODY_BYTES", 4096)  # what block mode holds to scan
     monkeypatch.setattr(sse, "DEFAULT_MAX_EVENT_BYTES", 4096)
     big_body = orjson.dumps({"text": "x" * 8192, "meta_info": {}})
     big_event = event({"text": "y" * 8192, "meta_info": {}})  # forwarded whole if it came whole
@@ -316,8 +316,10 @@ async def test_generate_scan_overflows_answer_in_sglang_shape(
 async def test_observe_mode_scans_a_body_past_its_first_megabytes(
     upstream: FakeUpstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 256 KiB stands for the 8 MiB usage buffer; a 1 MiB body arrives in several reads.
-    monkeypatch.setattr(relay, "KEEP_BODY_BYTES", 256 * 1024)
+    # 256 KiB stands for the 8 MiB usage buffer, 2 MiB for the 64 MiB scan bound; a 1 MiB
+    # body arrives in several reads.
+    monkeypatch.setattr(inspector, "KEEP_BODY_BYTES", 256 * 1024)
+    monkeypatch.setattr(inspector, "SCAN_BODY_BYTES", 2 * 1024 * 1024)
     body = orjson.dumps({"choices": [{"index": 0, "text": "x" * 2**20 + " " + FOREIGN}]})
 
     async def handler(request: web.Request) -> web.StreamResponse:

@@ -22,6 +22,11 @@ SANS_IO = (
     "kvproxy.prompt_routes",
     "kvproxy.prompt_only",
     "kvproxy.errors",
+    "kvproxy.inspector",
+    "kvproxy.guard",
+    "kvproxy.canary",
+    "kvproxy.output",
+    "kvproxy.sse",
 )
 
 _PROBE = """
