@@ -231,3 +231,19 @@ __all__ = [
     "precheck",
     "recheck",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class UsageCheck:
+    """The engine's own prompt count (`usage.prompt_tokens`) against kvproxy's, after the
+    fact. `drift`: engine minus kvproxy, when kvproxy's count was meant to be exact (a
+    bound is expected to be above). `bound_exceeded`: the engine counted more than kvproxy
+    did, exact or bound: the configured tokenizer does not match the model, an I1 risk."""
+
+    drift: int | None
+    bound_exceeded: bool
+
+
+def check_usage(counted: int, method: str | None, engine_tokens: int) -> UsageCheck:
+    drift = engine_tokens - counted if method in ("exact", "engine") else None
+    return UsageCheck(drift=drift, bound_exceeded=engine_tokens > counted)

@@ -282,9 +282,10 @@ def _reject(
 
 def _drift(state: ServerState, rec: AccessRecord, engine_tokens: int) -> None:
     assert rec.prompt_tokens is not None
-    if rec.count_method in ("exact", "engine"):
-        state.metrics.token_count_drift.observe(engine_tokens - rec.prompt_tokens)
-    if engine_tokens > rec.prompt_tokens:
+    check = admission.check_usage(rec.prompt_tokens, rec.count_method, engine_tokens)
+    if check.drift is not None:
+        state.metrics.token_count_drift.observe(check.drift)
+    if check.bound_exceeded:
         state.metrics.token_bound_exceeded.labels(state.models.label(rec.model)).inc()
         log.warning(
             "engine counted more prompt tokens than kvproxy's %s (%d > %d): the configured "

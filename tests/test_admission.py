@@ -272,3 +272,21 @@ def test_the_ceiling_is_exactly_the_largest_admitted_count(
             assert admits(tokens)
     else:
         assert ceiling == 0  # nothing is admitted: any count is tokenized, then refused
+
+
+@pytest.mark.parametrize(
+    ("counted", "method", "engine", "drift", "exceeded"),
+    [
+        (100, "exact", 100, 0, False),
+        (100, "exact", 103, 3, True),  # an exact count under the engine's: wrong tokenizer
+        (100, "engine", 98, -2, False),
+        (500, "bound", 100, None, False),  # a bound is meant to be above: no drift
+        (100, "bound", 101, None, True),  # a bound below the engine's count: an I1 risk
+        (100, None, 100, None, False),
+    ],
+)
+def test_usage_check_compares_the_engines_count_with_ours(
+    counted: int, method: str | None, engine: int, drift: int | None, exceeded: bool
+) -> None:
+    got = admission.check_usage(counted, method, engine)
+    assert got == admission.UsageCheck(drift=drift, bound_exceeded=exceeded)
