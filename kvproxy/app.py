@@ -104,9 +104,6 @@ class KvproxyServer:
             session=session,
             watcher=DisconnectWatcher(),
             lag=LoopLagMonitor(self.metrics),
-            capacity=first.capacity,
-            counter=first.counter,
-            budget=first.budget,
             tenants=TenantResolver(s),
             canaries=CanaryRules.from_settings(s),
             hard_stop=loop.create_future(),
@@ -188,9 +185,9 @@ class KvproxyServer:
             if not state.models.ready():
                 return _json({"ready": False, "reason": state.models.not_ready_reason()}, 503)
             return _json({"ready": True})
-        if not state.capacity.ready():
+        if not state.models.first.capacity.ready():
             return _json({"ready": False, "reason": "capacity unknown"}, 503)
-        if state.capacity.posture.blocks_ready():
+        if state.models.first.capacity.posture.blocks_ready():
             return _json({"ready": False, "reason": "engine posture (posture_action)"}, 503)
         return _json({"ready": True})
 
@@ -200,7 +197,10 @@ class KvproxyServer:
             # Grouped by model: one model's engines and limits say nothing about another's.
             return _json({"readiness": models.readiness, "models": models.snapshot_json()})
         return _json(
-            {**self.state.capacity.snapshot_json(), "budget": self.state.budget.describe_json()}
+            {
+                **self.state.models.first.capacity.snapshot_json(),
+                "budget": self.state.models.first.budget.describe_json(),
+            }
         )
 
     async def _tripwire(self, request: web.Request) -> web.Response:

@@ -95,6 +95,11 @@ class ModelTable:
         self.default = None if default_model is None else self._by_name[default_model]
 
     @property
+    def first(self) -> ModelServices:
+        """The first configured model's services: the only one in the single-model form."""
+        return self.models[0]
+
+    @property
     def names(self) -> tuple[str, ...]:
         """Configured names (not aliases): the only values of a `model` metric label."""
         return tuple(m.name for m in self.models)

@@ -14,12 +14,9 @@ from kvproxy.metrics import Metrics
 from kvproxy.watch import DisconnectWatcher, LoopLagMonitor
 
 if TYPE_CHECKING:
-    from kvproxy.budget import Budget
     from kvproxy.canary import CanaryRules
-    from kvproxy.capacity import CapacityMonitor
     from kvproxy.models import ModelTable
     from kvproxy.tenants import TenantResolver
-    from kvproxy.tokens import TokenCounter
 
 
 @dataclass
@@ -29,15 +26,11 @@ class ServerState:
     session: aiohttp.ClientSession
     watcher: DisconnectWatcher
     lag: LoopLagMonitor
-    capacity: CapacityMonitor
-    counter: TokenCounter
-    budget: Budget
     tenants: TenantResolver
     canaries: CanaryRules
     # Resolved when the shutdown grace period is over: deferred drains end as `shutdown`.
     hard_stop: asyncio.Future[None]
-    # Every model's capacity, counter and budget; the three fields above are its first
-    # model's (the single model's, when no `models` list is configured).
+    # Every model's capacity, counter and budget (`models.first` is the single model's).
     models: ModelTable
     # Set on SIGTERM: readiness false, new requests refused.
     stopping: bool = False

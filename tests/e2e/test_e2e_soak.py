@@ -216,7 +216,7 @@ class Soak:
         self.open.set()  # traffic meets the restart: fail closed, then the new pool
 
         async def unknown() -> bool:
-            return not self.proxy.state.capacity.ready()
+            return not self.proxy.state.models.first.capacity.ready()
 
         assert await poll(unknown, timeout_s=10.0, interval_s=0.01)
         self.epochs[-1].end = time.monotonic()
@@ -224,7 +224,7 @@ class Soak:
         self.epochs.append(Epoch(limit=await self.engine_limit(), start=time.monotonic()))
 
         async def known() -> bool:
-            return self.proxy.state.capacity.ready()
+            return self.proxy.state.models.first.capacity.ready()
 
         assert await poll(known, timeout_s=10.0, interval_s=0.01)
         self.changes += 1
@@ -317,8 +317,11 @@ def _check(soak: Soak, warm: dict[str, int], end: dict[str, int]) -> None:
     assert outcomes["timeout"] == 0, outcomes
     assert sum(phases.values()) > 0, phases
     state = proxy.state
-    assert (state.budget.tokens_in_use, state.budget.requests_in_use) == (0, 0)
-    assert state.budget.queue_depth == 0
+    assert (state.models.first.budget.tokens_in_use, state.models.first.budget.requests_in_use) == (
+        0,
+        0,
+    )
+    assert state.models.first.budget.queue_depth == 0
     assert sample(proxy, "kvproxy_deferred_cancellations_in_progress") == 0
     assert state.inflight == 0
     assert state.watcher.watched == 0
