@@ -71,9 +71,22 @@ class Body:
     decoded_from: str | None = None
 
 
-async def read_raw(request: web.Request, limit: int) -> bytes:
-    """The body exactly as sent; 413 as soon as it passes `limit` (chunked uploads too)."""
-    buf = bytearray()
+def read_arrived(request: web.Request, limit: int) -> tuple[bytes, bool]:
+    """What of the body has already arrived, without waiting, and whether that is all of it.
+
+    A small request's body comes in the same read as its head: taking it from the buffer
+    needs no await, so the caller need not arm the body-read deadline for it. Raises 413
+    past `limit`; the rest, if any, is `read_raw`'s (given these bytes as `first`)."""
+    first = request.content.read_nowait()
+    if len(first) > limit:
+        raise errors.body_too_large(None, limit)
+    return first, request.content.at_eof()
+
+
+async def read_raw(request: web.Request, limit: int, first: bytes = b"") -> bytes:
+    """The body exactly as sent (after `first`, what `read_arrived` took); 413 as soon as
+    it passes `limit` (chunked uploads too)."""
+    buf = bytearray(first)
     async for chunk in request.content.iter_any():
         buf += chunk
         if len(buf) > limit:

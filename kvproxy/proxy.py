@@ -23,7 +23,7 @@ import time
 from aiohttp import web
 
 from kvproxy import admission, errors
-from kvproxy.body import content_coding, decode, forwarded_headers, read_raw
+from kvproxy.body import content_coding, decode, forwarded_headers, read_arrived, read_raw
 from kvproxy.budget import charge_tokens
 from kvproxy.clamp import clamp_output
 from kvproxy.errors import ErrorStyle, KvproxyError
@@ -115,9 +115,11 @@ async def _handle(
         )
 
     try:
-        # asyncio.timeout, not wait_for: no extra task per request on the hot path.
-        async with asyncio.timeout(s.body_read_timeout_s):
-            body = await read_raw(request, s.max_body_bytes)
+        body, whole = read_arrived(request, s.max_body_bytes)
+        if not whole:
+            # asyncio.timeout, not wait_for: no extra task per request on the hot path.
+            async with asyncio.timeout(s.body_read_timeout_s):
+                body = await read_raw(request, s.max_body_bytes, body)
     except KvproxyError as err:
         return _reject(state, rec, err, style)
     except TimeoutError:

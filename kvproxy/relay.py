@@ -88,6 +88,7 @@ class Exchange:
         self.client: web.StreamResponse | None = None
         self.inspector: ResponseInspector | None = None
         self.token_seen = False
+        self.whole: bytes | None = None  # a body that arrived whole, sent at EOF
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -316,7 +317,13 @@ class Exchange:
                     "response too large to scan for canaries: the rest is not scanned",
                     request_id=self.record.request_id,
                 )
-            if kept.forward and not await self._write(up, kept.forward):
+            if not kept.forward:
+                continue
+            if self.client is None and not is_sse and up.content.at_eof():
+                # The whole body is here and nothing was sent yet: answer it in one write at
+                # EOF (the next read) instead of a prepared stream, a write and an EOF.
+                self.whole = kept.forward
+            elif not await self._write(up, kept.forward):
                 return None
 
     async def _write(self, up: aiohttp.ClientResponse, chunk: bytes) -> bool:
@@ -349,13 +356,12 @@ class Exchange:
         if self.gone_seen:
             return None
         assert self.inspector is not None
-        if self.inspector.hold:
+        body = end.forward if self.inspector.hold else self.whole
+        if body is not None:
             headers = filter_headers(up.headers)
             headers.update(self.extra_headers)
-            self.record.bytes_out += len(end.forward)
-            return web.Response(
-                status=up.status, reason=up.reason, headers=headers, body=end.forward
-            )
+            self.record.bytes_out += len(body)
+            return web.Response(status=up.status, reason=up.reason, headers=headers, body=body)
         with contextlib.suppress(ConnectionResetError, RuntimeError):
             client = self.client or await self._start_client(up)
             await client.write_eof()

@@ -6,10 +6,14 @@ bytes exactly as kvproxy put them on the wire, next to the headers that travelle
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import threading
 import zlib
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
 
 import aiohttp
 import orjson
@@ -20,6 +24,7 @@ from hypothesis import strategies as st
 from kvtest import FakeUpstream, canary_settings, running_proxy, static_engines
 
 from kvproxy import body
+from kvproxy.body import read_arrived, read_raw
 from kvproxy.errors import KvproxyError
 
 PATHS = {
@@ -327,3 +332,40 @@ async def test_bodies_that_could_inflate_far_are_decoded_off_the_event_loop(
     loop_thread = threading.get_ident()
     assert threads[0] == loop_thread
     assert threads[1] != loop_thread
+
+
+def _stream(*parts: bytes, eof: bool) -> Any:
+    """A request whose body stream holds `parts` (and has ended, if `eof`)."""
+    reader = aiohttp.StreamReader(mock.Mock(), 2**16, loop=asyncio.get_running_loop())
+    for part in parts:
+        reader.feed_data(part)
+    if eof:
+        reader.feed_eof()
+    return SimpleNamespace(content=reader)
+
+
+async def test_a_body_that_arrived_with_its_head_is_taken_without_waiting() -> None:
+    assert read_arrived(_stream(b'{"prompt": ', b'"hi"}', eof=True), 100) == (
+        b'{"prompt": "hi"}',
+        True,
+    )
+    assert read_arrived(_stream(eof=True), 100) == (b"", True)  # no body at all
+    with pytest.raises(KvproxyError) as exc:
+        read_arrived(_stream(b"x" * 101, eof=True), 100)
+    assert exc.value.status == 413
+
+
+async def test_a_body_still_arriving_is_read_on_after_what_arrived() -> None:
+    request = _stream(b'{"prompt": ', eof=False)
+    first, whole = read_arrived(request, 100)
+    assert (first, whole) == (b'{"prompt": ', False)
+    request.content.feed_data(b'"hi"}')
+    request.content.feed_eof()
+    assert await read_raw(request, 100, first) == b'{"prompt": "hi"}'
+    request = _stream(b"x" * 60, eof=False)
+    first, _ = read_arrived(request, 100)
+    request.content.feed_data(b"y" * 60)
+    request.content.feed_eof()
+    with pytest.raises(KvproxyError) as exc:
+        await read_raw(request, 100, first)  # the limit counts what arrived first too
+    assert exc.value.status == 413
