@@ -85,6 +85,20 @@ def static_engines(capacity: int = 100_000, decode: int | None = None) -> list[d
 
 
 @contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """Serve `app` on a free loopback port for the block; yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def running_proxy(
     upstream_url: str, *, refresh: bool = True, **overrides: Any
 ) -> AsyncIterator[KvproxyServer]:

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from kvtest import canary_settings, sim_and_proxy
+from kvtest import canary_settings, serving, sim_and_proxy
 
 from kvproxy.isolation import CAVEATS, CanaryOptions, run_isolation, summary
 from kvproxy.probes import parse_reply
@@ -171,15 +171,8 @@ async def refusing_target(models: list[str]) -> AsyncIterator[tuple[str, list[st
     app = web.Application()
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/{tail:.*}", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}", seen
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url, seen
 
 
 async def run_canary_cli(*args: str) -> tuple[int | None, str, str]:
@@ -229,18 +222,10 @@ async def test_a_refusal_mid_scenario_stops_that_scenario_only() -> None:
     app = web.Application()
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/{tail:.*}", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serving(app) as url:
         report = await asyncio.wait_for(
-            run_isolation(CanaryOptions(target=f"http://127.0.0.1:{port}", limit=400, rounds=2)),
-            REFUSAL_BOUND_S,
+            run_isolation(CanaryOptions(target=url, limit=400, rounds=2)), REFUSAL_BOUND_S
         )
-    finally:
-        await runner.cleanup()
     by_name = {s.name: s for s in report.scenarios}
     assert report.verdict == "fail"
     for name in ("normal_long", "boundary", "cancel"):

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from kvtest import serving
 
 from kvproxy.probes import (
     EngineTokenizer,
@@ -48,15 +49,8 @@ async def fake(models: list[str] | None, tokenize: bool = True) -> AsyncIterator
         app.router.add_get("/v1/models", list_models)
     if tokenize:
         app.router.add_post("/tokenize", tok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 @pytest.mark.parametrize("n", [1, 2, 17, 500, 5315])
@@ -141,15 +135,8 @@ async def fake_sim(reaches_engine: bool) -> AsyncIterator[str]:
     app.router.add_get("/sim/stats", stats)
     app.router.add_post("/v1/completions", complete)
     app.router.add_post("/sim/faults", faults)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 @pytest.mark.parametrize(("reaches", "arrived"), [(True, "prefill +1"), (False, "")])
