@@ -17,7 +17,7 @@ report says so. Never prints or stores reply text: only marker ids, statuses and
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from kvproxy.probes import (
     TargetRefused,
     discover_model,
     get_json,
+    listed_models,
     sim_prefill_url,
 )
 from kvproxy.scenarios import (
@@ -77,6 +78,37 @@ class CanaryReport:
 async def run_isolation(opts: CanaryOptions) -> CanaryReport:
     async with aiohttp.ClientSession() as http:
         return await _run(opts, http)
+
+
+async def models_to_check(opts: CanaryOptions) -> list[str]:
+    """Without --model, every model the target's /v1/models lists when it lists several (a
+    router such as smg, or kvproxy with a `models` config, serves each on its own engines,
+    so each gets its own run); otherwise [] (one run, the model resolved as before)."""
+    if opts.model:
+        return []
+    auth = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    async with aiohttp.ClientSession() as http:
+        ids = await listed_models(http, opts.target, auth)
+    return list(dict.fromkeys(ids)) if ids is not None and len(ids) > 1 else []
+
+
+MODELS_SCHEMA = "kvproxy.canary.models/1"
+
+
+def worst(verdicts: Iterable[str]) -> str:
+    """fail over over_strict over pass (skipped scenarios do not lower a pass)."""
+    seen = set(verdicts)
+    return "fail" if "fail" in seen else "over_strict" if "over_strict" in seen else "pass"
+
+
+def combined_json(reports: list[CanaryReport]) -> dict[str, Any]:
+    """One report per model (each a complete `kvproxy.canary/1` report) and the worst
+    verdict: the isolation holds only if it holds for every model."""
+    return {
+        "schema": MODELS_SCHEMA,
+        "verdict": worst(r.verdict for r in reports),
+        "models": {r.model or "?": r.to_json() for r in reports},
+    }
 
 
 async def _resolve_model(http: aiohttp.ClientSession, opts: CanaryOptions) -> tuple[str, str]:
@@ -129,10 +161,7 @@ async def _run(opts: CanaryOptions, http: aiohttp.ClientSession) -> CanaryReport
             results.append(r)
     if h is not None and not results:
         results = [await _scenario(h, name) for name in opts.scenarios]
-    verdicts = {r.verdict for r in results}
-    verdict = (
-        "fail" if "fail" in verdicts else "over_strict" if "over_strict" in verdicts else "pass"
-    )
+    verdict = worst(r.verdict for r in results)
     return CanaryReport(
         schema="kvproxy.canary/1",
         kvproxy_version=__version__,

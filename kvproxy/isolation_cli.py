@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import re
 import sys
 from collections.abc import Callable
@@ -15,7 +16,16 @@ from pathlib import Path
 
 import orjson
 
-from kvproxy.isolation import SCENARIOS, CanaryOptions, run_isolation, summary
+from kvproxy.isolation import (
+    SCENARIOS,
+    CanaryOptions,
+    CanaryReport,
+    combined_json,
+    models_to_check,
+    run_isolation,
+    summary,
+    worst,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants", default="canary-a,canary-b", help="synthetic tenant ids")
     p.add_argument("--tenant-header", default="X-Tenant-ID")
     p.add_argument("--api-key", help="bearer token for the target, if it needs one")
-    p.add_argument("--model", help="model id to request (default: the target's /v1/models)")
+    p.add_argument(
+        "--model",
+        help="model id to request (default: the target's /v1/models; when it lists several, "
+        "each one in turn, a section each in the report)",
+    )
     p.add_argument("--limit", type=int, help="the admission limit to probe (inclusive tokens)")
     p.add_argument(
         "--probe-kind",
@@ -81,8 +95,31 @@ def options_from(args: argparse.Namespace, progress: Callable[[str], None]) -> C
 
 def run_canary(args: argparse.Namespace) -> int:
     opts = options_from(args, lambda line: print(line, file=sys.stderr, flush=True))
-    report = asyncio.run(run_isolation(opts))
+    models = asyncio.run(models_to_check(opts))
+    if not models:
+        report = asyncio.run(run_isolation(opts))
+        if args.report:
+            Path(args.report).write_bytes(
+                orjson.dumps(report.to_json(), option=orjson.OPT_INDENT_2)
+            )
+        print(summary(report))
+        return 0 if report.verdict == "pass" else 1
+    if opts.limit is not None or opts.sim or opts.engine:
+        # One limit, one simulator, one tokenizer: each belongs to one model's engines.
+        raise SystemExit(
+            f"kvproxy canary: the target lists {len(models)} models ({', '.join(models)}); "
+            "--limit, --sim and --engine belong to one of them: pass --model too"
+        )
+    reports: list[CanaryReport] = []
+    for model in models:
+        opts.progress(f"[canary] model {model} ({len(reports) + 1} of {len(models)})")
+        report = asyncio.run(run_isolation(dataclasses.replace(opts, model=model)))
+        report.model_source = f"{opts.target}/v1/models, {len(reports) + 1} of {len(models)}"
+        reports.append(report)
     if args.report:
-        Path(args.report).write_bytes(orjson.dumps(report.to_json(), option=orjson.OPT_INDENT_2))
-    print(summary(report))
-    return 0 if report.verdict == "pass" else 1
+        body = orjson.dumps(combined_json(reports), option=orjson.OPT_INDENT_2)
+        Path(args.report).write_bytes(body)
+    verdict = worst(r.verdict for r in reports)
+    print("\n\n".join(summary(r) for r in reports))
+    print(f"\nkvproxy canary, {len(reports)} models: {verdict.upper()}")
+    return 0 if verdict == "pass" else 1

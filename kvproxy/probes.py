@@ -160,6 +160,18 @@ class ModelUnknown(Exception):
     pass
 
 
+async def listed_models(
+    http: aiohttp.ClientSession, base: str, headers: dict[str, str]
+) -> list[str] | None:
+    """The model ids `base`'s `/v1/models` lists, in its order; None when it does not answer
+    one (no such route, not JSON, no `data` list)."""
+    data = await get_json(http, base + "/v1/models", headers)
+    listed = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(listed, list):
+        return None
+    return [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
 async def discover_model(
     http: aiohttp.ClientSession, bases: list[str], headers: dict[str, str]
 ) -> tuple[str, str]:
@@ -167,11 +179,9 @@ async def discover_model(
     Routers such as smg route by model and answer 503 for any other name, so a guessed
     default is worse than asking. Several ids: the operator must choose."""
     for base in bases:
-        data = await get_json(http, base + "/v1/models", headers)
-        listed = data.get("data") if isinstance(data, dict) else None
-        if not isinstance(listed, list):
+        ids = await listed_models(http, base, headers)
+        if ids is None:
             continue
-        ids = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
         if len(ids) == 1:
             return ids[0], f"{base}/v1/models"
         if len(ids) > 1:

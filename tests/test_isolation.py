@@ -8,9 +8,11 @@ import contextlib
 import json
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from kvtest import canary_settings, serving, sim_and_proxy
@@ -234,12 +236,14 @@ async def test_a_refusal_mid_scenario_stops_that_scenario_only() -> None:
     assert by_name["transfer_failure"].verdict == "skipped"
 
 
-async def test_several_models_and_no_model_given_exits_1_listing_them() -> None:
+async def test_several_models_with_one_limit_exits_1_asking_which_model() -> None:
+    # A limit (or a simulator, or an engine) belongs to one model's engines: with several
+    # listed and no --model, nothing is sent and the refusal names them.
     async with refusing_target(["a-model", "b-model"]) as (url, seen):
-        code, out, _ = await run_canary_cli("--target", url, "--limit", "4000")
+        code, _, err = await run_canary_cli("--target", url, "--limit", "4000")
     assert code == 1
-    assert "2 models (a-model, b-model)" in out
-    assert "pass --model" in out
+    assert "2 models (a-model, b-model)" in err
+    assert "pass --model too" in err
     assert seen == []
 
 
@@ -307,3 +311,37 @@ async def test_an_armed_kvproxy_gets_no_tripwire_advice() -> None:
         )
     assert report.scenarios[0].blocked_by_tripwire > 0
     assert report.tripwire is None
+
+
+async def test_a_target_listing_several_models_is_checked_once_per_model(
+    tmp_path: Path,
+) -> None:
+    """No --model and /v1/models lists two (a router serving two models): one run each,
+    each requesting its own model, one section each in the report, the worst verdict."""
+    asked: list[str] = []
+
+    async def list_models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "qwen"}, {"id": "glm"}]})
+
+    async def refuse(request: web.Request) -> web.Response:
+        asked.append(orjson.loads(await request.read()).get("model"))
+        err = {"type": "server_error", "code": "no_available_workers", "message": "none"}
+        return web.json_response({"error": err}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/{tail:.*}", refuse)
+    report = tmp_path / "canary.json"
+    async with serving(app) as url:
+        code, out, _ = await run_canary_cli("--target", url, "--report", str(report))
+    assert code == 1
+    assert asked == ["qwen", "glm"]  # each model's preflight, in the listed order
+    data = json.loads(report.read_text())
+    assert data["schema"] == "kvproxy.canary.models/1"
+    assert data["verdict"] == "fail"
+    assert list(data["models"]) == ["qwen", "glm"]
+    for name, section in data["models"].items():
+        assert section["schema"] == "kvproxy.canary/1"
+        assert section["model"] == name
+        assert section["verdict"] == "fail"
+    assert "2 models: FAIL" in out
