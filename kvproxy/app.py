@@ -25,8 +25,8 @@ from kvproxy.canary import CanaryRules
 from kvproxy.config import Settings
 from kvproxy.metrics import Metrics
 from kvproxy.models import build_table
-from kvproxy.proxy import STATE_KEY, handle
-from kvproxy.state import ServerState
+from kvproxy.proxy import SERVICES_KEY, STATE_KEY, handle
+from kvproxy.state import ServerState, Services
 from kvproxy.tenants import TenantResolver
 from kvproxy.tokens import TokenCounter
 from kvproxy.watch import DisconnectWatcher, LoopLagMonitor, release_heap, settle_heap
@@ -50,6 +50,7 @@ class KvproxyServer:
         self.metrics = metrics or Metrics()
         self._counter = counter
         self._state: ServerState | None = None
+        self._services: Services | None = None
         self._public: web.AppRunner | None = None
         self._admin: web.AppRunner | None = None
         self._public_site: web.TCPSite | None = None
@@ -60,6 +61,11 @@ class KvproxyServer:
     def state(self) -> ServerState:
         assert self._state is not None, "server not started"
         return self._state
+
+    @property
+    def services(self) -> Services:
+        assert self._services is not None, "server not started"
+        return self._services
 
     @property
     def public_url(self) -> str:
@@ -98,17 +104,17 @@ class KvproxyServer:
             await session.close()
             raise
         first = models.models[0]
-        self._state = state = ServerState(
+        self._services = services = Services(
             settings=s,
             metrics=self.metrics,
             session=session,
             watcher=DisconnectWatcher(),
             lag=LoopLagMonitor(self.metrics),
+            models=models,
             tenants=TenantResolver(s),
             canaries=CanaryRules.from_settings(s),
-            hard_stop=loop.create_future(),
-            models=models,
         )
+        self._state = state = ServerState(hard_stop=loop.create_future())
         state.idle.set()
         for canary in s.canaries:
             self.metrics.canary_violations.labels(canary.tenant)
@@ -117,9 +123,9 @@ class KvproxyServer:
             log.info("%stoken counting: %s", prefix, m.counter.describe())
         self.metrics.set_tokenizer_backend(first.counter.backend)
         await models.start()
-        state.watcher.start()
+        services.watcher.start()
         settle_heap()  # before the lag monitor's first tick: start-up garbage is not a stall
-        state.lag.start()
+        services.lag.start()
 
         self._admin = web.AppRunner(self._admin_app(), access_log=None)
         await self._admin.setup()
@@ -162,6 +168,7 @@ class KvproxyServer:
         # client_max_size is enforced by our own reader (413 with a JSON body), not aiohttp's.
         app = web.Application(client_max_size=self.settings.max_body_bytes + 1)
         app[STATE_KEY] = self.state
+        app[SERVICES_KEY] = self.services
         app.router.add_route("*", "/{tail:.*}", handle)
         return app
 
@@ -178,28 +185,28 @@ class KvproxyServer:
         return _json({"status": "ok"})
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        state = self.state
+        state, models = self.state, self.services.models
         if state.stopping:
             return _json({"ready": False, "reason": "shutting down"}, 503)
-        if not state.models.match_all:
-            if not state.models.ready():
-                return _json({"ready": False, "reason": state.models.not_ready_reason()}, 503)
+        if not models.match_all:
+            if not models.ready():
+                return _json({"ready": False, "reason": models.not_ready_reason()}, 503)
             return _json({"ready": True})
-        if not state.models.first.capacity.ready():
+        if not models.first.capacity.ready():
             return _json({"ready": False, "reason": "capacity unknown"}, 503)
-        if state.models.first.capacity.posture.blocks_ready():
+        if models.first.capacity.posture.blocks_ready():
             return _json({"ready": False, "reason": "engine posture (posture_action)"}, 503)
         return _json({"ready": True})
 
     async def _capacity(self, request: web.Request) -> web.Response:
-        models = self.state.models
+        models = self.services.models
         if not models.match_all:
             # Grouped by model: one model's engines and limits say nothing about another's.
             return _json({"readiness": models.readiness, "models": models.snapshot_json()})
         return _json(
             {
-                **self.state.models.first.capacity.snapshot_json(),
-                "budget": self.state.models.first.budget.describe_json(),
+                **self.services.models.first.capacity.snapshot_json(),
+                "budget": self.services.models.first.budget.describe_json(),
             }
         )
 
@@ -219,12 +226,12 @@ class KvproxyServer:
 
     async def stop(self) -> None:
         """Graceful: stop accepting, wait for in-flight and deferred requests, then close."""
-        state = self._state
-        if state is None:
+        state, services = self._state, self._services
+        if state is None or services is None:
             return
         state.stopping = True
         # Queued requests were never forwarded: tell them now (429) rather than at the end.
-        state.models.reject_waiting()
+        services.models.reject_waiting()
         if self._public_site is not None:
             await self._public_site.stop()
         if state.inflight:
@@ -242,14 +249,14 @@ class KvproxyServer:
                 await asyncio.wait_for(state.idle.wait(), FINAL_CLEANUP_S)
         if self._public is not None:
             await self._public.cleanup()
-        await state.watcher.stop()
-        await state.lag.stop()
-        await state.models.stop_capacity()
-        await state.models.aclose()
-        await state.session.close()
+        await services.watcher.stop()
+        await services.lag.stop()
+        await services.models.stop_capacity()
+        await services.models.aclose()
+        await services.session.close()
         if self._admin is not None:
             await self._admin.cleanup()
-        self._state = None
+        self._state = self._services = None
         release_heap()
 
 

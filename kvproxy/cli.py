@@ -112,7 +112,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         server = KvproxyServer(settings)
         try:
             await server.start()
-            await server.state.models.first.capacity.refresh_now()
+            await server.services.models.first.capacity.refresh_now()
             await _seed_tenant_a(sim.router_url)
             print(_demo_banner(server.public_url, server.admin_url, sim.router_url), flush=True)
             await _until_signalled()

@@ -34,18 +34,20 @@ from kvproxy.prompt import PromptShape, Route, parse_request
 from kvproxy.relay import Exchange
 from kvproxy.replies import client_gone, client_gone_response, error_response
 from kvproxy.routes import RouteMatch, route_table
-from kvproxy.state import ServerState
+from kvproxy.state import ServerState, Services
 
 log = logging.getLogger("kvproxy.proxy")
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 STATE_KEY = web.AppKey("kvproxy_state", ServerState)
+SERVICES_KEY = web.AppKey("kvproxy_services", Services)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
+    services = request.app[SERVICES_KEY]
     state = request.app[STATE_KEY]
     # Decided on the raw path that is forwarded, never on a decoded form (kvproxy.routes).
-    match = route_table(state.settings.passthrough_routes).classify(
+    match = route_table(services.settings.passthrough_routes).classify(
         request.method, request.rel_url.raw_path
     )
     route = match.route
@@ -56,10 +58,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
         route=match.label,
         started=time.monotonic(),
     )
-    state.enter()
+    services.metrics.inflight.set(state.enter())
     try:
         try:
-            resp = await _handle(state, request, match, rec)
+            resp = await _handle(services, state, request, match, rec)
         except Exception as exc:
             # A bug must cost one request a 500, never the process; the log names the
             # exception type only (its message could quote request content).
@@ -72,26 +74,30 @@ async def handle(request: web.Request) -> web.StreamResponse:
             rec.status = resp.status
         elif rec.status == 0:
             rec.status = 499 if rec.client_disconnect else 200
-        state.metrics.responses_total.labels(rec.route, str(rec.status)).inc()
+        services.metrics.responses_total.labels(rec.route, str(rec.status)).inc()
         return resp if resp is not None else client_gone_response()
     finally:
         rec.finish()
-        state.metrics.request_duration.labels(rec.route).observe(rec.duration_s)
-        state.metrics.requests_total.labels(
-            rec.route, rec.decision, state.models.label(rec.model)
+        services.metrics.request_duration.labels(rec.route).observe(rec.duration_s)
+        services.metrics.requests_total.labels(
+            rec.route, rec.decision, services.models.label(rec.model)
         ).inc()
-        if state.settings.access_log:
+        if services.settings.access_log:
             rec.emit(access_log)
-        state.leave()
+        services.metrics.inflight.set(state.leave())
 
 
 async def _handle(
-    state: ServerState, request: web.Request, match: RouteMatch, rec: AccessRecord
+    services: Services,
+    state: ServerState,
+    request: web.Request,
+    match: RouteMatch,
+    rec: AccessRecord,
 ) -> web.StreamResponse | None:
-    s = state.settings
+    s = services.settings
     route = match.route
     style = errors.error_style(route)
-    tenant = state.tenants.resolve(request.headers)
+    tenant = services.tenants.resolve(request.headers)
     rec.tenant = tenant
 
     if state.stopping:
@@ -103,15 +109,15 @@ async def _handle(
             message="kvproxy is shutting down; retry on another replica",
             headers={"Retry-After": "1", "Connection": "close"},
         )
-        return _reject(state, rec, err, style)
+        return _reject(services, rec, err, style)
 
     if match.kind == "refused":
         # Before the body is read: nothing of it is needed, and nothing is sent (I7).
-        return _reject(state, rec, errors.route_not_found(match.why), style)
+        return _reject(services, rec, errors.route_not_found(match.why), style)
 
     if request.content_length is not None and request.content_length > s.max_body_bytes:
         return _reject(
-            state, rec, errors.body_too_large(request.content_length, s.max_body_bytes), style
+            services, rec, errors.body_too_large(request.content_length, s.max_body_bytes), style
         )
 
     try:
@@ -121,9 +127,9 @@ async def _handle(
             async with asyncio.timeout(s.body_read_timeout_s):
                 body = await read_raw(request, s.max_body_bytes, body)
     except KvproxyError as err:
-        return _reject(state, rec, err, style)
+        return _reject(services, rec, err, style)
     except TimeoutError:
-        return _reject(state, rec, errors.body_read_timeout(s.body_read_timeout_s), style)
+        return _reject(services, rec, errors.body_read_timeout(s.body_read_timeout_s), style)
     except ConnectionResetError:
         # The client left mid-upload: nothing was sent upstream, nothing to defer. Counted as
         # an abandoned request, not a client disconnect: those are the ones whose upstream
@@ -135,7 +141,7 @@ async def _handle(
     extra = {"X-Request-ID": rec.request_id}
     headers = filter_headers(request.headers)
     headers["X-Request-ID"] = rec.request_id
-    for name in state.tenants.headers_to_strip():
+    for name in services.tenants.headers_to_strip():
         headers.popall(name, None)
 
     streaming = False
@@ -143,29 +149,29 @@ async def _handle(
     upstream = s.upstream
     if route is not None:
         if request.method != "POST":
-            return _reject(state, rec, errors.method_not_allowed(request.method), style)
+            return _reject(services, rec, errors.method_not_allowed(request.method), style)
         # Counted routes see (and forward) the decoded body, so what is counted is what the
         # engine reads and the headers say what is sent; pass-through keeps the wire bytes.
         try:
             coding = content_coding(request.headers.getall("Content-Encoding", ()))
             decoded = await decode(body, coding, s.max_body_bytes)
         except KvproxyError as err:
-            return _reject(state, rec, err, style)
+            return _reject(services, rec, err, style)
         body = decoded.data
         forwarded_headers(headers, decoded)
         # The answer must come back uncompressed: the tripwire, the SSE reader and the usage
         # drift check read its bytes, and compressed bytes would hide a foreign marker.
         headers["Accept-Encoding"] = "identity"
         # The model the request names picks the capacity, counter and budget (kvproxy.models).
-        svc = state.models.for_request(body)
+        svc = services.models.for_request(body)
         if isinstance(svc, KvproxyError):
-            return _reject(state, rec, svc, style)
-        if not state.models.match_all:
+            return _reject(services, rec, svc, style)
+        if not services.models.match_all:
             rec.model = svc.name
         upstream = svc.upstream
-        decided = await _admit(state, svc, route, body, rec)
+        decided = await _admit(services, svc, route, body, rec)
         if isinstance(decided, KvproxyError):
-            return _reject(state, rec, decided, style)
+            return _reject(services, rec, decided, style)
         shape, verdict = decided
         streaming = shape.stream
         extra["X-Kvproxy-Decision"] = "admitted"
@@ -175,7 +181,7 @@ async def _handle(
             # The budget holds what the engines will hold: every sequence, every sample.
             lease = await svc.budget.acquire(charge_tokens(verdict.total, shape.n))
         except KvproxyError as err:
-            return _reject(state, rec, err, style, extra)
+            return _reject(services, rec, err, style, extra)
         rec.decision = "admitted"
         if client_gone(request):
             # It left while being counted or queued: nothing was sent, so nothing to defer.
@@ -183,10 +189,10 @@ async def _handle(
             rec.decision = "abandoned"
             return None
         if lease.waited_s > 0:
-            again = admission.recheck(verdict, svc.capacity.limits(), _policy(state))
+            again = admission.recheck(verdict, svc.capacity.limits(), _policy(services))
             if isinstance(again, admission.Reject):
                 lease.release()
-                return _reject(state, rec, again.error, style, extra)
+                return _reject(services, rec, again.error, style, extra)
             verdict = again
         # Clamped from the verdict that holds at send time: a decode pool that shrank while
         # the request queued needs a smaller cap than the one decided before (I4).
@@ -195,12 +201,13 @@ async def _handle(
                 body = clamp_output(body, route, verdict.clamped_output_tokens)
             except KvproxyError as err:
                 lease.release()
-                return _reject(state, rec, err, style, extra)
+                return _reject(services, rec, err, style, extra)
             extra["X-Kvproxy-Output-Clamped"] = str(verdict.clamped_output_tokens)
 
-    scanner = state.canaries.scanner(tenant) if state.canaries.active else None
+    scanner = services.canaries.scanner(tenant) if services.canaries.active else None
     exchange = Exchange(
-        state,
+        services,
+        state.hard_stop,
         request,
         rec,
         streaming=streaming,
@@ -216,18 +223,18 @@ async def _handle(
         if lease is not None:
             lease.release()
     if exchange.prompt_tokens is not None and rec.prompt_tokens is not None:
-        _drift(state, rec, exchange.prompt_tokens)
+        _drift(services, rec, exchange.prompt_tokens)
     # A streamed response must be handed back to aiohttp itself: returning any other object
     # would make it write a second status line onto the same keep-alive connection.
     return resp if resp is not None else exchange.client
 
 
 async def _admit(
-    state: ServerState, svc: ModelServices, route: Route, body: bytes, rec: AccessRecord
+    services: Services, svc: ModelServices, route: Route, body: bytes, rec: AccessRecord
 ) -> tuple[PromptShape, admission.Admit] | KvproxyError:
     limits = svc.capacity.limits()
     why = "no fresh measurement"
-    if not state.models.match_all:
+    if not services.models.match_all:
         why += f" of model {svc.name}'s engines"  # the others may be serving
     pre = admission.precheck(limits, svc.capacity.retry_after_s(), why)
     if pre is not None:
@@ -236,7 +243,7 @@ async def _admit(
         shape = parse_request(route, body)
     except KvproxyError as err:
         return err
-    policy = _policy(state)
+    policy = _policy(services)
     t0 = time.perf_counter()
     try:
         count = await svc.counter.count(
@@ -246,7 +253,7 @@ async def _admit(
         )
     except KvproxyError as err:
         return err
-    m = state.metrics
+    m = services.metrics
     m.admission_duration.labels(count.method).observe(time.perf_counter() - t0)
     m.prompt_tokens.labels(count.method, svc.name).observe(count.tokens)
     rec.prompt_tokens = count.tokens
@@ -258,13 +265,13 @@ async def _admit(
     return shape, verdict
 
 
-def _policy(state: ServerState) -> admission.Policy:
-    s = state.settings
+def _policy(services: Services) -> admission.Policy:
+    s = services.settings
     return admission.Policy(s.decode_policy, s.default_output_tokens)
 
 
 def _reject(
-    state: ServerState,
+    services: Services,
     rec: AccessRecord,
     err: KvproxyError,
     style: ErrorStyle,
@@ -272,7 +279,7 @@ def _reject(
 ) -> web.Response:
     rec.decision = "rejected"
     rec.reason = err.reason
-    state.metrics.rejections.labels(err.reason, state.models.label(rec.model)).inc()
+    services.metrics.rejections.labels(err.reason, services.models.label(rec.model)).inc()
     headers = dict(extra or {})
     headers["X-Request-ID"] = rec.request_id
     headers["X-Kvproxy-Decision"] = "rejected"
@@ -282,13 +289,13 @@ def _reject(
     return error_response(err, headers, style)
 
 
-def _drift(state: ServerState, rec: AccessRecord, engine_tokens: int) -> None:
+def _drift(services: Services, rec: AccessRecord, engine_tokens: int) -> None:
     assert rec.prompt_tokens is not None
     check = admission.check_usage(rec.prompt_tokens, rec.count_method, engine_tokens)
     if check.drift is not None:
-        state.metrics.token_count_drift.observe(check.drift)
+        services.metrics.token_count_drift.observe(check.drift)
     if check.bound_exceeded:
-        state.metrics.token_bound_exceeded.labels(state.models.label(rec.model)).inc()
+        services.metrics.token_bound_exceeded.labels(services.models.label(rec.model)).inc()
         log.warning(
             "engine counted more prompt tokens than kvproxy's %s (%d > %d): the configured "
             "tokenizer does not match the model",

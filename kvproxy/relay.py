@@ -36,7 +36,7 @@ from kvproxy.logs import AccessRecord, log_event
 from kvproxy.netio import network_boundary
 from kvproxy.replies import error_response
 from kvproxy.sse import SSEError
-from kvproxy.state import ServerState
+from kvproxy.state import Services
 
 log = logging.getLogger("kvproxy.relay")
 
@@ -61,7 +61,8 @@ class Exchange:
 
     def __init__(
         self,
-        state: ServerState,
+        services: Services,
+        hard_stop: asyncio.Future[None],
         request: web.Request,
         record: AccessRecord,
         *,
@@ -70,18 +71,19 @@ class Exchange:
         extra_headers: dict[str, str],
         style: ErrorStyle,
     ) -> None:
-        self.state = state
+        self.services = services
+        self.hard_stop = hard_stop
         self.style: ErrorStyle = style
         self.request = request
         self.record = record
         self.scanner = scanner
         self.extra_headers = extra_headers
-        s = state.settings
+        s = services.settings
         self.machine = drain.DrainMachine(
             streaming=streaming, until=s.drain_until, timeout_s=s.drain_timeout_s
         )
         self.streaming = streaming
-        self.gone: asyncio.Future[None] = state.watcher.watch(request)
+        self.gone: asyncio.Future[None] = services.watcher.watch(request)
         self.gone_seen = False
         self.shutdown_seen = False
         self.upstream: aiohttp.ClientResponse | None = None
@@ -104,7 +106,7 @@ class Exchange:
             if not self.gone_seen:
                 waiters.add(self.gone)
             if not self.shutdown_seen:
-                waiters.add(self.state.hard_stop)
+                waiters.add(self.hard_stop)
             timeout = None
             if self.machine.deadline is not None:
                 timeout = max(0.0, self.machine.deadline - time.monotonic())
@@ -114,7 +116,7 @@ class Exchange:
             if not self.gone_seen and self.gone in done:
                 self.gone_seen = True
                 return GONE
-            if not self.shutdown_seen and self.state.hard_stop in done:
+            if not self.shutdown_seen and self.hard_stop in done:
                 self.shutdown_seen = True
                 return SHUTDOWN
             if not done:
@@ -128,12 +130,12 @@ class Exchange:
         phase = self.machine.disconnect_phase
         if phase is not None:
             self.record.client_disconnect = phase
-            self.state.metrics.client_disconnects.labels(phase).inc()
+            self.services.metrics.client_disconnects.labels(phase).inc()
             log_event(
                 log, logging.DEBUG, "client gone", request_id=self.record.request_id, phase=phase
             )
         if self.machine.deferred:
-            self.state.metrics.deferred_in_progress.inc()
+            self.services.metrics.deferred_in_progress.inc()
         return decision
 
     def _signal(self, sig: _Signal) -> drain.Decision:
@@ -150,7 +152,7 @@ class Exchange:
         self, method: str, url: str, headers: CIMultiDict[str], body: bytes
     ) -> web.StreamResponse | None:
         """Returns a response to send when nothing was streamed yet, else None."""
-        s = self.state
+        s = self.services
         t_sent = time.monotonic()
         send: asyncio.Future[aiohttp.ClientResponse] = asyncio.ensure_future(
             s.session.request(
@@ -206,7 +208,7 @@ class Exchange:
 
     def _upstream_failed(self, err: KvproxyError) -> web.StreamResponse | None:
         self.record.upstream_outcome = err.code
-        self.state.metrics.upstream_errors.labels(err.code).inc()
+        self.services.metrics.upstream_errors.labels(err.code).inc()
         self.machine.handle(drain.UpstreamError(now=time.monotonic()))
         if self.gone_seen:
             return None
@@ -231,7 +233,7 @@ class Exchange:
             return self.inspector.hold
         return (
             self.scanner is not None
-            and self.state.settings.canary_action == "block"
+            and self.services.settings.canary_action == "block"
             and not _is_sse(up)
         )
 
@@ -242,7 +244,7 @@ class Exchange:
         self.inspector = insp = ResponseInspector(
             self.scanner,
             sse=is_sse,
-            block=self.state.settings.canary_action == "block",
+            block=self.services.settings.canary_action == "block",
             read_usage=not self.streaming,
         )
         got_first = False
@@ -342,7 +344,7 @@ class Exchange:
     def _observe_ttft(self, ttft: float) -> None:
         if self.record.ttft_s is None:
             self.record.ttft_s = ttft
-            self.state.metrics.upstream_ttft.observe(ttft)
+            self.services.metrics.upstream_ttft.observe(ttft)
 
     def _report(self, step: Step) -> bool:
         """Count and log each hit; True when the response must be withheld now."""
@@ -369,7 +371,7 @@ class Exchange:
 
     def _report_canary(self, hit: CanaryHit) -> None:
         tenant = self.record.tenant or "unknown"
-        self.state.metrics.canary_violations.labels(tenant).inc()
+        self.services.metrics.canary_violations.labels(tenant).inc()
         log_event(
             log,
             logging.ERROR,
@@ -378,7 +380,7 @@ class Exchange:
             tenant=tenant,
             owner_tenant=hit.owner_tenant,
             marker_id=hit.marker_id,
-            action=self.state.settings.canary_action,
+            action=self.services.settings.canary_action,
         )
 
     async def _block(
@@ -416,7 +418,7 @@ class Exchange:
             up.close()  # an intentional abort drops it
 
     def _account_deferral(self) -> None:
-        m = self.state.metrics
+        m = self.services.metrics
         outcome = self.machine.outcome
         if not self.gone_seen or outcome is None:
             return

@@ -1,5 +1,14 @@
-"""The server's shared state: one explicit object instead of module globals (uvicorn's
-`ServerState` lesson). The app builds it at start; handlers read it; nothing else owns it."""
+"""What the server shares between requests, in two kinds (uvicorn's `ServerState` lesson:
+one explicit object instead of module globals, and only what really changes in it).
+
+`Services`: built once at start, read by every request, never reassigned: the settings,
+the metrics, the upstream session, the watchers, each model's capacity/counter/budget
+(`models`), the tenant resolver and the canary rules. A handler receives them explicitly.
+
+`ServerState`: the mutable part: how many requests are in flight, whether the server is
+stopping, and the hard-stop future deferred drains race against. The app builds both at
+start; handlers read them; nothing else owns them.
+"""
 
 from __future__ import annotations
 
@@ -19,31 +28,36 @@ if TYPE_CHECKING:
     from kvproxy.tenants import TenantResolver
 
 
-@dataclass
-class ServerState:
+@dataclass(frozen=True, slots=True)
+class Services:
     settings: Settings
     metrics: Metrics
     session: aiohttp.ClientSession
     watcher: DisconnectWatcher
     lag: LoopLagMonitor
-    tenants: TenantResolver
-    canaries: CanaryRules
-    # Resolved when the shutdown grace period is over: deferred drains end as `shutdown`.
-    hard_stop: asyncio.Future[None]
     # Every model's capacity, counter and budget (`models.first` is the single model's).
     models: ModelTable
+    tenants: TenantResolver
+    canaries: CanaryRules
+
+
+@dataclass
+class ServerState:
+    # Resolved when the shutdown grace period is over: deferred drains end as `shutdown`.
+    hard_stop: asyncio.Future[None]
     # Set on SIGTERM: readiness false, new requests refused.
     stopping: bool = False
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def enter(self) -> None:
+    def enter(self) -> int:
+        """One more request in flight; returns how many now are."""
         self.inflight += 1
         self.idle.clear()
-        self.metrics.inflight.set(self.inflight)
+        return self.inflight
 
-    def leave(self) -> None:
+    def leave(self) -> int:
         self.inflight -= 1
-        self.metrics.inflight.set(self.inflight)
         if self.inflight == 0:
             self.idle.set()
+        return self.inflight

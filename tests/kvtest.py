@@ -111,7 +111,7 @@ async def running_proxy(
     await server.start()
     try:
         if refresh:
-            await server.state.models.first.capacity.refresh_now()
+            await server.services.models.first.capacity.refresh_now()
         yield server
     finally:
         await server.stop()

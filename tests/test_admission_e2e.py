@@ -148,11 +148,11 @@ async def test_a_4mb_prompt_is_decided_while_small_requests_keep_flowing(
         # The whole 4 MB is counted, as for a near-limit prompt in a pool of a million tokens:
         # without this the count stops once it is over 8,192 and the loop has nothing to
         # stall on (that path is tests/tokens' early-stop test).
-        proxy.state.models.first.counter.early_stop = False
+        proxy.services.models.first.counter.early_stop = False
         # Warm the parser and the tokenizer's threads once.
         async with http.post(proxy.public_url + CHAT, data=big[:400_000] + b'"}]}') as resp:
             await resp.read()
-        lag = proxy.state.lag
+        lag = proxy.services.lag
         lag.reset_max()
         samples_before = lag.samples
         small_ok = 0

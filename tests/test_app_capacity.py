@@ -59,16 +59,18 @@ async def test_stale_measurement_fails_closed_and_a_smaller_pool_lowers_the_limi
     async with sim_and_proxy(
         capacity_refresh_s=0.2, capacity_stale_s=0.6, capacity_probe_timeout_s=0.5
     ) as (sim, proxy):
-        assert proxy.state.models.first.capacity.limits().admission_limit_tokens == 5315
+        assert proxy.services.models.first.capacity.limits().admission_limit_tokens == 5315
         await sim.set_pool_tokens("prefill", 4096)  # the engine restarts smaller
-        await proxy.state.models.first.capacity.refresh_now()
-        assert proxy.state.models.first.capacity.limits().admission_limit_tokens == 4089
+        await proxy.services.models.first.capacity.refresh_now()
+        assert proxy.services.models.first.capacity.limits().admission_limit_tokens == 4089
         async with http.post(proxy.public_url + CHAT, data=chat("x" * 4500)) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["limit_tokens"] == 4089
 
         await sim.stop_server("prefill")
-        assert await wait_until(lambda: not proxy.state.models.first.capacity.ready(), timeout_s=20)
+        assert await wait_until(
+            lambda: not proxy.services.models.first.capacity.ready(), timeout_s=20
+        )
         async with http.post(proxy.public_url + CHAT, data=chat()) as resp:
             assert resp.status == 503
             assert (await resp.json())["error"]["code"] == "capacity_unknown"
@@ -82,6 +84,6 @@ async def test_stale_measurement_fails_closed_and_a_smaller_pool_lowers_the_limi
         assert errors >= 1
 
         await sim.start_server("prefill")
-        assert await wait_until(lambda: proxy.state.models.first.capacity.ready(), timeout_s=20)
+        assert await wait_until(lambda: proxy.services.models.first.capacity.ready(), timeout_s=20)
         async with http.post(proxy.public_url + CHAT, data=chat()) as resp:
             assert resp.status == 200

@@ -335,7 +335,7 @@ async def test_a_batch_that_can_never_fit_the_budget_is_429(
             doc = await resp.json()
             text = doc["message"] if path == "/generate" else doc["error"]["message"]
             assert "never fit" in text
-        assert proxy.state.models.first.budget.tokens_in_use == 0
+        assert proxy.services.models.first.budget.tokens_in_use == 0
     assert len(upstream.received) == 1
 
 
@@ -358,7 +358,7 @@ async def test_the_budget_holds_every_sequence_and_sample_until_the_upstream_clo
             assert resp.status == 200
             single = int(resp.headers["X-Kvproxy-Prompt-Tokens"])
         pending = asyncio.ensure_future(http.post(proxy.public_url + path, json=body))
-        budget = proxy.state.models.first.budget
+        budget = proxy.services.models.first.budget
         assert await wait_until(lambda: len(upstream.received) == 2)
         # Two sequences of one sample, or one sequence of two samples: twice the single.
         assert budget.tokens_in_use == 2 * single

@@ -58,7 +58,7 @@ async def test_check_gates_every_configured_model_in_its_own_section(tmp_path: P
         async with running_proxy(
             "http://127.0.0.1:9", refresh=False, engines=None, models=models
         ) as proxy:
-            for m in proxy.state.models.models:
+            for m in proxy.services.models.models:
                 await m.capacity.refresh_now()
             common = ("--config", str(cfg), "--proxy", proxy.public_url)
             common += ("--proxy-admin", proxy.admin_url)
@@ -67,7 +67,7 @@ async def test_check_gates_every_configured_model_in_its_own_section(tmp_path: P
             rc_bad, _ = await check_cli(*common, "--model", "model-z", "--out", str(tmp_path))
             limits = {
                 m.name: m.capacity.limits().admission_limit_tokens
-                for m in proxy.state.models.models
+                for m in proxy.services.models.models
             }
     assert rc_all == 0, out_all
     record = json.loads((tmp_path / "all" / "release-record.json").read_text())

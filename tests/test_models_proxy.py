@@ -52,7 +52,7 @@ async def two_models(
         async with running_proxy(
             "http://127.0.0.1:9", refresh=False, engines=None, models=models, **overrides
         ) as proxy:
-            for m in proxy.state.models.models:
+            for m in proxy.services.models.models:
                 await m.capacity.refresh_now()
             yield a, b, proxy
 
@@ -199,7 +199,7 @@ async def test_one_models_engines_down_fail_closed_for_it_alone(
     ) as (a, _b, proxy):
         assert (await post(http, proxy, ids("model-a", 10)))[0] == 200
         await a.stop_server("prefill")
-        model_a = proxy.state.models.resolve("model-a")
+        model_a = proxy.services.models.resolve("model-a")
         assert model_a is not None
         assert await wait_until(lambda: not model_a.capacity.ready(), timeout_s=20)
         down = await post(http, proxy, ids("model-a", 10))
@@ -208,7 +208,7 @@ async def test_one_models_engines_down_fail_closed_for_it_alone(
             ready = resp.status, await resp.json()
         async with http.get(proxy.admin_url + "/capacity") as resp:
             capacity = await resp.json()
-        proxy.state.models.readiness = "all"
+        proxy.services.models.readiness = "all"
         async with http.get(proxy.admin_url + "/readyz") as resp:
             strict = resp.status, await resp.json()
     assert down[0] == 503

@@ -215,7 +215,7 @@ async def test_client_disconnect_mid_stream_leaks_nothing(
             await resp.content.readany()
             resp.close()  # the client leaves mid-stream
         assert await wait_until(lambda: proxy.state.inflight == 0)
-        assert await wait_until(lambda: proxy.state.watcher.watched == 0)
+        assert await wait_until(lambda: proxy.services.watcher.watched == 0)
         m = proxy.metrics
         assert m.client_disconnects.labels("streaming")._value.get() == 5
         assert m.deferred_total.labels("first_token")._value.get() == 5
@@ -323,7 +323,7 @@ async def test_decode_clamp_rewrites_the_output_cap_it_forwards(
             assert resp.status == 200
             prompt = int(resp.headers["X-Kvproxy-Prompt-Tokens"])
             clamped = int(resp.headers["X-Kvproxy-Output-Clamped"])
-        decode = proxy.state.models.first.capacity.limits().decode_limit_tokens
+        decode = proxy.services.models.first.capacity.limits().decode_limit_tokens
     sent = orjson.loads(upstream.received[0]["body"])
     assert sent["max_tokens"] == clamped
     assert decode is not None
@@ -355,7 +355,7 @@ async def test_clamp_is_decided_again_when_decode_shrank_while_queued(
         max_inflight_requests=1,
         queue_timeout_s=30.0,
     ) as proxy:
-        capacity = proxy.state.models.first.capacity
+        capacity = proxy.services.models.first.capacity
         holder = asyncio.ensure_future(
             http.post(proxy.public_url + CHAT, data=chat_body("a", stream=False, max_tokens=8))
         )
@@ -363,7 +363,7 @@ async def test_clamp_is_decided_again_when_decode_shrank_while_queued(
         queued = asyncio.ensure_future(
             http.post(proxy.public_url + CHAT, data=chat_body("b", stream=False, max_tokens=5_000))
         )
-        assert await wait_until(lambda: proxy.state.models.first.budget.queue_depth == 1)
+        assert await wait_until(lambda: proxy.services.models.first.budget.queue_depth == 1)
         shrunk = dataclasses.replace(capacity.limits(), decode_limit_tokens=2_000)
         capacity.limits = lambda: shrunk  # type: ignore[method-assign]
         release.set()

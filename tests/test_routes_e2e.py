@@ -144,7 +144,7 @@ async def test_unknown_routes_are_404_and_reach_nothing(
         async with http.request(method, yarl_raw(url), data=body) as resp:
             status, headers, reply = resp.status, resp.headers, await resp.json()
         after = await routed(http, sim.router_url)
-        refused = proxy.state.metrics.requests_total.labels(
+        refused = proxy.services.metrics.requests_total.labels(
             "refused", "rejected", "default"
         )._value.get()
     assert status == 404, reply
@@ -213,7 +213,7 @@ async def test_the_tripwire_reads_responses_and_messages_output(
             headers={"X-Tenant-ID": "A"},
         ) as resp:
             status, text = resp.status, await resp.text()
-        violations = proxy.state.metrics.canary_violations.labels("A")._value.get()
+        violations = proxy.services.metrics.canary_violations.labels("A")._value.get()
     assert MARKER_B not in text
     assert violations == 1
     if not stream:
@@ -240,7 +240,7 @@ async def test_a_client_leaving_a_stream_is_deferred_until_its_first_token(
         ) as resp:
             assert resp.status == 200
         # Leaving the block without reading closes the connection: the client is gone.
-        m = proxy.state.metrics
+        m = proxy.services.metrics
         outcomes = ("first_token", "completed", "timeout", "upstream_error")
 
         def deferred() -> dict[str, float]:

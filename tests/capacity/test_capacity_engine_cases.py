@@ -93,7 +93,7 @@ async def test_sglang_eagle_reserve_binds_below_the_context(http: aiohttp.Client
         "speculative_num_draft_tokens": 16,
     }
     async with sim_and_proxy(sim_opts) as (sim, proxy):
-        lim = proxy.state.models.first.capacity.limits()
+        lim = proxy.services.models.first.capacity.limits()
         assert lim.admission_limit_tokens == 8175
         got = await sweep(
             http, sim, proxy, GENERATE, {n: generate(n, 0) for n in (8174, 8175, 8176)}
@@ -127,7 +127,7 @@ async def test_sglang_dcp_scales_the_pool(http: aiohttp.ClientSession) -> None:
         "dcp_size": 2,
     }
     async with sim_and_proxy(sim_opts) as (sim, proxy):
-        assert proxy.state.models.first.capacity.limits().admission_limit_tokens == 10637
+        assert proxy.services.models.first.capacity.limits().admission_limit_tokens == 10637
         got = await sweep(
             http, sim, proxy, GENERATE, {n: generate(n, 1) for n in (10636, 10637, 10638)}
         )
@@ -153,7 +153,7 @@ async def test_vllm_dp2_without_kv_cache_size_tokens(http: aiohttp.ClientSession
         "kv_cache_size_label": False,
     }
     async with sim_and_proxy(sim_opts) as (sim, proxy):
-        lim = proxy.state.models.first.capacity.limits()
+        lim = proxy.services.models.first.capacity.limits()
         assert lim.admission_limit_tokens == 4095
         bodies = {
             n: {"model": "kvproxy-sim", "prompt": [7] * n, "max_tokens": 0}
@@ -185,7 +185,7 @@ async def test_unified_pool_limit_is_reachable_with_an_output(http: aiohttp.Clie
         "page_size": 1,
     }
     async with sim_and_proxy(sim_opts) as (sim, proxy):
-        lim = proxy.state.models.first.capacity.limits()
+        lim = proxy.services.models.first.capacity.limits()
         assert (lim.admission_limit_tokens, lim.decode_limit_tokens) == (5000, 5005)
         for max_new, expect in ((1, 200), (5, 200), (6, 400)):
             before = await stats(http, sim.router_url)
@@ -218,7 +218,7 @@ async def test_pages_of_16_keep_the_limit_reachable_without_output(
         "page_size": 16,
     }
     async with sim_and_proxy(sim_opts) as (sim, proxy):
-        lim = proxy.state.models.first.capacity.limits()
+        lim = proxy.services.models.first.capacity.limits()
         assert (lim.admission_limit_tokens, lim.decode_limit_tokens) == (5305, 5280)
         # No output asked: the published limit is reachable and the engine serves it.
         got = await sweep(

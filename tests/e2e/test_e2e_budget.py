@@ -87,7 +87,7 @@ async def _one(
 
 
 async def _watch_budget(proxy: KvproxyServer, peaks: Counter[str], stop: asyncio.Event) -> None:
-    budget = proxy.state.models.first.budget
+    budget = proxy.services.models.first.budget
     while not stop.is_set():
         peaks["tokens"] = max(peaks["tokens"], budget.tokens_in_use)
         peaks["requests"] = max(peaks["requests"], budget.requests_in_use)
@@ -219,7 +219,7 @@ async def test_a_client_that_left_while_queued_is_not_forwarded() -> None:
         holder = asyncio.ensure_future(
             post(http, proxy.public_url, CHAT, holder_body, tenant_headers(TENANT_A))
         )
-        budget = proxy.state.models.first.budget
+        budget = proxy.services.models.first.budget
 
         async def holding() -> bool:
             return budget.requests_in_use == 1
@@ -267,7 +267,7 @@ async def test_a_decision_is_not_forwarded_after_the_pool_shrank_while_it_queued
         ) as proxy,
         aiohttp.ClientSession() as http,
     ):
-        budget, capacity = proxy.state.models.first.budget, proxy.state.models.first.capacity
+        budget, capacity = proxy.services.models.first.budget, proxy.services.models.first.capacity
         old_limit = int(sample(proxy, "kvproxy_admission_limit_tokens"))
         holder_body = body_for(CHAT, tenant_prompt(TENANT_A, 600, rng), stream=True, max_tokens=600)
         holder = asyncio.ensure_future(

@@ -136,7 +136,7 @@ async def test_two_models_behind_smg_each_at_its_own_limit_with_its_own_tokenize
             capacity_stale_s=1.5,
             capacity_probe_timeout_s=1.0,
         ) as proxy:
-            for m in proxy.state.models.models:
+            for m in proxy.services.models.models:
                 await m.capacity.refresh_now()
             limits = {
                 name: (await get_json(http, sim.router_url + "/sim/stats"))["prefill"]["limits"][
@@ -158,7 +158,7 @@ async def test_two_models_behind_smg_each_at_its_own_limit_with_its_own_tokenize
             # model-a's engines go away: A fails closed, B keeps serving.
             await a.stop_server("prefill")
             await a.stop_server("decode")
-            model_a = proxy.state.models.resolve("model-a")
+            model_a = proxy.services.models.resolve("model-a")
             assert model_a is not None
             for _ in range(200):  # bounded: the monitor marks A stale after capacity_stale_s
                 if not model_a.capacity.ready():

@@ -216,7 +216,7 @@ class Soak:
         self.open.set()  # traffic meets the restart: fail closed, then the new pool
 
         async def unknown() -> bool:
-            return not self.proxy.state.models.first.capacity.ready()
+            return not self.proxy.services.models.first.capacity.ready()
 
         assert await poll(unknown, timeout_s=10.0, interval_s=0.01)
         self.epochs[-1].end = time.monotonic()
@@ -224,7 +224,7 @@ class Soak:
         self.epochs.append(Epoch(limit=await self.engine_limit(), start=time.monotonic()))
 
         async def known() -> bool:
-            return self.proxy.state.models.first.capacity.ready()
+            return self.proxy.services.models.first.capacity.ready()
 
         assert await poll(known, timeout_s=10.0, interval_s=0.01)
         self.changes += 1

@@ -244,7 +244,7 @@ async def test_router_faults_map_to_502_504_while_traffic_runs(
             # Healthy again, and nothing is left behind.
             assert await _one(http, proxy, stream=True) == (200, "ok")
             assert await wait_until(lambda: proxy.state.inflight == 0, 30)
-            assert await wait_until(lambda: proxy.state.watcher.watched == 0, 30)
+            assert await wait_until(lambda: proxy.services.watcher.watched == 0, 30)
             assert proxy.metrics.deferred_in_progress._value.get() == 0
     finally:
         await front.close()
@@ -340,7 +340,7 @@ async def test_engine_admin_faults_fail_closed_while_traffic_runs(
             capacity_stale_s=1.5,
             capacity_probe_timeout_s=0.3,
         ) as proxy:
-            limit = proxy.state.models.first.capacity.limits().admission_limit_tokens
+            limit = proxy.services.models.first.capacity.limits().admission_limit_tokens
             assert limit is not None
             seen: Counter[tuple[int, str]] = Counter()
             stop = asyncio.Event()
@@ -367,7 +367,7 @@ async def test_engine_admin_faults_fail_closed_while_traffic_runs(
             try:
                 for mode in ("slow", "html", "down"):
                     chaos.set_mode("ok")
-                    assert await wait_until(proxy.state.models.first.capacity.ready, 15)
+                    assert await wait_until(proxy.services.models.first.capacity.ready, 15)
                     before = _probe_errors(proxy, "prefill-0")
                     chaos.set_mode(mode)
                     assert await wait_until(
@@ -376,19 +376,19 @@ async def test_engine_admin_faults_fail_closed_while_traffic_runs(
                     )
                     # One failed probe does not forget a fresh measurement: readiness follows
                     # freshness, never a single error.
-                    snap = proxy.state.models.first.capacity.snapshot_json()
+                    snap = proxy.services.models.first.capacity.snapshot_json()
                     prefill = next(e for e in snap["engines"] if e["engine"] == "prefill-0")
                     assert prefill["last_error"] is not None
                     assert snap["known"] == (prefill["state"] == "fresh"), snap
                     # Stale: fail closed, and say so.
                     assert await wait_until(
-                        lambda: not proxy.state.models.first.capacity.ready(), 15
+                        lambda: not proxy.services.models.first.capacity.ready(), 15
                     )
                     assert await _ready(http, proxy) == 503
                     got = await _one(http, proxy, stream=False)
                     assert got == (503, "capacity_unknown"), (mode, got)
                 chaos.set_mode("ok")
-                assert await wait_until(proxy.state.models.first.capacity.ready, 15)
+                assert await wait_until(proxy.services.models.first.capacity.ready, 15)
                 assert await _ready(http, proxy) == 200
                 assert (await _one(http, proxy, stream=False))[0] == 200
             finally:
@@ -422,9 +422,9 @@ async def test_unresolvable_engine_is_not_ready_and_does_not_crash(
     ) as proxy:
         # Several refresh rounds go by, each failing on DNS; the monitor keeps running.
         assert await wait_until(
-            lambda: proxy.state.models.first.capacity.snapshot_json()["refreshes"] >= 3, 15
+            lambda: proxy.services.models.first.capacity.snapshot_json()["refreshes"] >= 3, 15
         )
-        assert not proxy.state.models.first.capacity.ready()
+        assert not proxy.services.models.first.capacity.ready()
         assert await _ready(http, proxy) == 503
         for stream in (False, True):
             assert await _one(http, proxy, stream) == (503, "capacity_unknown")

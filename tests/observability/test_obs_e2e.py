@@ -162,8 +162,8 @@ class Traffic:
             await asyncio.sleep(0.5)
         assert await prom.query(self.http, errors), prom.log_tail()
         await self.sim.start_server("decode")
-        await self.proxy.state.models.first.capacity.refresh_now()
-        await poll(self.proxy.state.models.first.capacity.ready, "capacity known again")
+        await self.proxy.services.models.first.capacity.refresh_now()
+        await poll(self.proxy.services.models.first.capacity.ready, "capacity known again")
 
 
 def registry_total(proxy: KvproxyServer, family: str) -> float:
@@ -247,7 +247,7 @@ async def _every_dashboard_query_returns_data(tmp_path: Path, redis_url: str) ->
             )
             proxy = KvproxyServer(settings, Metrics())
             await proxy.start()
-            await proxy.state.models.first.capacity.refresh_now()
+            await proxy.services.models.first.capacity.refresh_now()
             admin = urlsplit(proxy.admin_url).netloc
             prom = PrometheusServer(
                 PROMETHEUS, tmp_path, [admin], [REPO / "grafana/alerts.rules.yml"]

@@ -68,7 +68,7 @@ async def scrape_after_traffic(upstream: FakeUpstream, http: aiohttp.ClientSessi
     server = KvproxyServer(settings, Metrics())
     await server.start()
     try:
-        await server.state.models.first.capacity.refresh_now()
+        await server.services.models.first.capacity.refresh_now()
         small = orjson.dumps({"model": "m", "prompt": "hello", "max_tokens": 4})
         async with http.post(server.public_url + COMPLETIONS, data=small) as resp:
             assert resp.status == 200, await resp.text()

@@ -41,7 +41,7 @@ def _async_client(base: str) -> openai.AsyncOpenAI:
 
 
 def _limit(proxy: KvproxyServer) -> int:
-    limit = proxy.state.models.first.capacity.limits().admission_limit_tokens
+    limit = proxy.services.models.first.capacity.limits().admission_limit_tokens
     assert limit is not None
     return limit
 
@@ -186,7 +186,7 @@ async def test_capacity_unknown_is_the_sdks_503() -> None:
     dead = dead_port()
     engines = [{"url": f"http://127.0.0.1:{dead}", "role": "prefill", "kind": "sglang"}]
     async with proxy_before_sim(engines=engines) as (proxy, _sim):
-        assert not proxy.state.models.first.capacity.ready()
+        assert not proxy.services.models.first.capacity.ready()
         async with _async_client(proxy.public_url) as client:
             with pytest.raises(openai.InternalServerError) as exc:
                 await client.chat.completions.create(model=MODEL, messages=USER)  # type: ignore[arg-type]

@@ -228,7 +228,7 @@ async def test_completions_header_equals_hf_count_near_the_limit(
             engines=static_engines(capacity=4 * want),
             max_context=limit,  # the admission limit (far below the measured pool)
         ) as proxy:
-            assert proxy.state.models.first.counter.backend == "fastokens"
+            assert proxy.services.models.first.counter.backend == "fastokens"
             async with http.post(proxy.public_url + COMPLETIONS, data=io.BytesIO(body)) as resp:
                 seen[limit] = (resp.status, dict(resp.headers), await resp.json())
     status, headers, _ = seen[want]
