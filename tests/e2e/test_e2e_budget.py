@@ -118,8 +118,8 @@ async def test_budget_holds_and_returns_to_zero_under_200_concurrent_with_discon
             seen_gone = sum(disconnects_by_phase(proxy).values())
             await drains_over(proxy, seen_gone)
             truth = await sim_quiet(http, sim)
-        state = proxy.state
-        budget = state.models.first.budget
+        state, services = proxy.state, proxy.services
+        budget = services.models.first.budget
 
         # Never above the budget while the storm ran.
         assert 0 < peaks["requests"] <= MAX_REQUESTS, peaks
@@ -132,10 +132,10 @@ async def test_budget_holds_and_returns_to_zero_under_200_concurrent_with_discon
         assert sample(proxy, "kvproxy_inflight_requests") == 0
         assert sample(proxy, "kvproxy_deferred_cancellations_in_progress") == 0
         assert state.inflight == 0
-        assert state.watcher.watched == 0
+        assert services.watcher.watched == 0
         # No upstream connection is still checked out of the pool (aiohttp keeps no public
         # count; `_acquired` is the set of connections handed to requests).
-        assert not state.session.connector._acquired  # type: ignore[union-attr]
+        assert not services.session.connector._acquired  # type: ignore[union-attr]
 
         _check_replies(results)
         _check_accounting(proxy, results, left)

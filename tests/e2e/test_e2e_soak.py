@@ -316,15 +316,11 @@ def _check(soak: Soak, warm: dict[str, int], end: dict[str, int]) -> None:
     assert sum(outcomes.values()) == sum(phases.values()), (outcomes, phases)
     assert outcomes["timeout"] == 0, outcomes
     assert sum(phases.values()) > 0, phases
-    state = proxy.state
-    assert (state.models.first.budget.tokens_in_use, state.models.first.budget.requests_in_use) == (
-        0,
-        0,
-    )
-    assert state.models.first.budget.queue_depth == 0
+    budget = proxy.services.models.first.budget
+    assert (budget.tokens_in_use, budget.requests_in_use, budget.queue_depth) == (0, 0, 0)
     assert sample(proxy, "kvproxy_deferred_cancellations_in_progress") == 0
-    assert state.inflight == 0
-    assert state.watcher.watched == 0
+    assert proxy.state.inflight == 0
+    assert proxy.services.watcher.watched == 0
 
     # Stable between the idle point after warm-up and the idle point at the end.
     assert end["rss"] - warm["rss"] < 64 * 1024 * 1024, (warm, end)

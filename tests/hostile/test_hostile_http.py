@@ -76,9 +76,15 @@ async def _trickle(port: int, head: bytes, piece: bytes, max_pieces: int = 500) 
                 await writer.drain()
             except ConnectionError:
                 return b"<closed>"
-            with contextlib.suppress(TimeoutError):
+            try:
                 got = await asyncio.wait_for(reader.read(65536), 0.02)
-                return got or b"<closed>"
+            except TimeoutError:
+                continue
+            except ConnectionError:
+                # A close with bytes still unread on the proxy's side is a reset, not a FIN:
+                # cut off all the same.
+                return b"<closed>"
+            return got or b"<closed>"
         return b""
     finally:
         await _close(writer)
