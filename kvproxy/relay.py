@@ -218,24 +218,14 @@ class Exchange:
         headers = filter_headers(up.headers)
         headers.update(self.extra_headers)
         resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-        # An event stream is forwarded event by event (whole events only), not byte for byte.
-        if up.headers.get("Content-Length") is not None and not (
-            self._must_buffer(up) or _is_sse(up)
-        ):
+        # An event stream is forwarded event by event (whole events only), not byte for byte,
+        # and a held body is answered whole by _finish: neither keeps the upstream's length.
+        held = self.inspector is not None and self.inspector.hold
+        if up.headers.get("Content-Length") is not None and not (held or _is_sse(up)):
             resp.content_length = int(up.headers["Content-Length"])
         await resp.prepare(self.request)
         self.client = resp
         return resp
-
-    def _must_buffer(self, up: aiohttp.ClientResponse) -> bool:
-        # A non-streamed body can only be withheld (canary block) if we hold it until scanned.
-        if self.inspector is not None:
-            return self.inspector.hold
-        return (
-            self.scanner is not None
-            and self.services.settings.canary_action == "block"
-            and not _is_sse(up)
-        )
 
     async def _body_phase(
         self, up: aiohttp.ClientResponse, t_sent: float
