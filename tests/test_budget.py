@@ -14,6 +14,7 @@ from aiohttp import web
 from kvtest import FakeUpstream, running_proxy, wait_until
 from prometheus_client import CollectorRegistry
 
+from grafana.promql import MODEL_LABELLED
 from kvproxy.budget import InflightBudget, Lease, charge_tokens
 from kvproxy.errors import KvproxyError
 from kvproxy.metrics import Metrics
@@ -32,12 +33,8 @@ def make(
                           metrics), metrics  # fmt: skip
 
 
-# The budget gauges carry a `model` label; these budgets are the single-model form's.
-MODEL_LABELLED = ("kvproxy_inflight_prompt_tokens", "kvproxy_inflight_prompt_tokens_limit",
-                  "kvproxy_queue_depth")  # fmt: skip
-
-
 def sample(m: Metrics, name: str) -> float:
+    # The budget gauges carry a `model` label; these budgets are the single-model form's.
     labels = {"model": "default"} if name in MODEL_LABELLED else {}
     value = m.registry.get_sample_value(name, labels)
     assert value is not None, name

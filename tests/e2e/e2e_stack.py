@@ -25,6 +25,7 @@ import aiohttp
 from kvtest import running_proxy
 from prometheus_client.parser import text_string_to_metric_families
 
+from grafana.promql import MODEL_LABELLED
 from kvproxy.app import KvproxyServer
 from kvproxy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
 from kvproxy.metrics import SINGLE_MODEL
@@ -263,19 +264,8 @@ async def proxy_for(
 # --- reading metrics --------------------------------------------------------------------------
 
 
-# Families that carry a `model` label: these stacks run the single-model form, whose one
-# fixed value is kvproxy.metrics.SINGLE_MODEL.
-MODEL_LABELLED = frozenset({
-    "kvproxy_requests_total",
-    "kvproxy_rejections_total",
-    "kvproxy_admission_limit_tokens",
-    "kvproxy_decode_limit_tokens",
-    "kvproxy_declared_context_tokens",
-    "kvproxy_capacity_known",
-    "kvproxy_inflight_prompt_tokens",
-    "kvproxy_inflight_prompt_tokens_limit",
-    "kvproxy_queue_depth",
-})  # fmt: skip
+# Families that carry a `model` label (the dashboard's list, grafana.promql): these stacks
+# run the single-model form, whose one fixed value is kvproxy.metrics.SINGLE_MODEL.
 
 
 def sample(server: KvproxyServer, name: str, **labels: str) -> float:
