@@ -13,12 +13,21 @@ when it is not JSON), whatever key it sits under. Scanning is incremental:
 and each string costs at most `len(text) + tail` characters of search, so the cost per
 event does not grow with the response. `scan_body` does the same for a whole body.
 
-Why no raw-bytes prefilter: a marker can reach the client written as JSON escapes
-(`\\u004bVCANARY...`) or split over events, and no test on the undecoded bytes of one
-event can rule both out. The prefilter here runs on decoded text: the windows (tail +
-string) of one event are joined and searched once for any key; only an event where one
-occurs is searched window by window. That is exact, not a heuristic: a match inside a
-window is a match inside the joined text.
+Two prefilters, both exact rather than heuristic:
+- on raw bytes (`CanaryScanner.skips`): every match starts with its marker's first
+  character (a literal's, or a pattern's literal prefix; a pattern without one turns this
+  filter off). Decoding an event without a backslash (no JSON escape) only ever yields
+  characters its bytes hold, plus the separators the reading adds (NUL, newline) and
+  U+FFFD for invalid UTF-8, which no start character may be. So an event whose bytes hold
+  no backslash and no start character, while no path's kept tail holds one either, cannot
+  hold any part of a marker: a marker split over events starts in a tail or in this event.
+  Skipping it leaves the tails free of start characters, so the argument carries on to
+  the next event; a tail that did not see the skipped text can only lose context a match
+  never uses (markers have no lookaround, `_looks_past_match`). A skipped event also keeps
+  the previous string of its path: that only narrows the repeat that is not counted twice.
+- on decoded text (`_feed`): the windows (tail + string) of one event are joined and
+  searched once for any key; only an event where one occurs is searched window by
+  window. A match inside a window is a match inside the joined text.
 
 Why not one big alternation regex: Python's `re` tries every alternative at every position,
 so the cost grows with the number of markers (measured: ~35 us per 6-character chunk at 20
@@ -66,6 +75,11 @@ _GROUP_PREFIX = "_kvc"
 _BACKREF = re.compile(r"\\(?:[1-9]|g<)|\(\?P=|\(\?\(")
 # Characters of literal prefix that key the prefilter search.
 KEY_CHARS = 3
+# Characters a reading of an event can produce that its bytes need not hold: the empty
+# "first character" of a marker without a literal prefix, the separators `output` joins
+# keys and data lines with, and the replacement of invalid UTF-8. A marker starting with
+# one of them turns the raw-bytes prefilter off.
+_ADDED_BY_READING = frozenset({"", "\x00", "\n", "\ufffd"})
 # Typeshed has no stubs for re's parser; it is the only way to know a pattern's width and
 # literal prefix.
 _re_parser: Any = importlib.import_module("re._parser")
@@ -109,6 +123,10 @@ class _Compiled:
     loose: re.Pattern[str] | None  # markers without a literal prefix, combined
     loose_by_group: dict[str, _Marker]
     tail_chars: int
+    # The first character of every marker (`skips`), as text and as UTF-8; None when one
+    # has no literal first character or its first character is one a reading adds.
+    starts: re.Pattern[str] | None
+    starts_utf8: re.Pattern[bytes] | None
 
 
 class _Streams:
@@ -120,7 +138,7 @@ class _Streams:
     operations; only when the paths change does the state go through the per-path dicts.
     """
 
-    __slots__ = ("cold_prevs", "cold_tails", "paths", "prevs", "tails")
+    __slots__ = ("clean", "cold_prevs", "cold_tails", "paths", "prevs", "tails")
 
     def __init__(self) -> None:
         self.paths: list[str] | None = None
@@ -128,6 +146,9 @@ class _Streams:
         self.prevs: list[str] = []
         self.cold_tails: dict[str, str] = {}
         self.cold_prevs: dict[str, str] = {}
+        # Whether no tail holds a start character (`CanaryScanner.skips`); None: not known
+        # since the tails last changed.
+        self.clean: bool | None = True
 
     def load(self, paths: list[str]) -> tuple[list[str], list[str]]:
         if paths == self.paths:
@@ -140,6 +161,14 @@ class _Streams:
 
     def store(self, paths: list[str], tails: list[str], prevs: list[str]) -> None:
         self.paths, self.tails, self.prevs = paths, tails, prevs
+        self.clean = None
+
+    def tails_clean(self, starts: re.Pattern[str]) -> bool:
+        if self.clean is None:
+            self.clean = starts.search("\x00".join(self.tails)) is None and not any(
+                starts.search(t) for t in self.cold_tails.values()
+            )
+        return self.clean
 
     def tail(self, path: str) -> str:
         if self.paths is not None and path in self.paths:
@@ -171,6 +200,19 @@ class CanaryScanner:
         if compiled is None or not texts:
             return None
         return self._feed(compiled, self._streams, paths, texts)
+
+    def skips(self, payload: bytes) -> bool:
+        """Whether one event's raw bytes provably hold no part of any marker, so `feed`
+        of its strings can be left out (the module docstring says why this is exact)."""
+        compiled = self._compiled
+        if compiled is None:
+            return True
+        starts = compiled.starts
+        if starts is None or compiled.starts_utf8 is None or b"\\" in payload:
+            return False
+        if compiled.starts_utf8.search(payload) is not None:
+            return False
+        return self._streams.tails_clean(starts)
 
     def feed_text(self, index: int, text: str) -> CanaryHit | None:
         """Scan the next piece of text of choice `index` (one path per index)."""
@@ -399,6 +441,13 @@ def _compile(markers: Iterable[_Marker]) -> _Compiled | None:
             by_key.setdefault(m.prefix[:KEY_CHARS], []).append(_Anchored(m, regex))
         else:
             loose[f"{_GROUP_PREFIX}{i}"] = m
+    firsts = {m.prefix[:1] for m in markers}
+    starts: re.Pattern[str] | None = None
+    starts_utf8: re.Pattern[bytes] | None = None
+    if not firsts & _ADDED_BY_READING:
+        alternatives = sorted(firsts)
+        starts = re.compile("|".join(re.escape(c) for c in alternatives))
+        starts_utf8 = re.compile(b"|".join(re.escape(c.encode()) for c in alternatives))
     keys = "|".join(re.escape(k) for k in sorted(by_key))
     # The wrapper group closes after any group inside a pattern, so `lastgroup` names it.
     loose_source = "|".join(f"(?P<{g}>{m.source})" for g, m in loose.items())
@@ -408,4 +457,6 @@ def _compile(markers: Iterable[_Marker]) -> _Compiled | None:
         loose=re.compile(loose_source) if loose else None,
         loose_by_group=loose,
         tail_chars=max(m.max_chars for m in markers) - 1,
+        starts=starts,
+        starts_utf8=starts_utf8,
     )

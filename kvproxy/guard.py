@@ -10,9 +10,10 @@ reach the client in the first half of an event whose second half would have been
 withheld. Without one, chunks go on as they came. The relay (`relay.py`) owns
 the sockets, the drain machine and the metrics; this module owns none of them.
 
-Cost: one JSON decode and one walk per event while a scanner is active or no output has
-been seen; after the first output of an unscanned response, events are only framed (and
-the `usage` of the last one read).
+Cost: one JSON decode and one walk per event until the first output; after it, only
+events the scanner cannot prove marker-free from their bytes (`CanaryScanner.skips`: a
+backslash, or a marker's first character in them or in a kept tail) are decoded, the
+others are only framed (and the `usage` of the last one read).
 
 Must never: log, touch a socket, or keep more than one incomplete event.
 """
@@ -25,7 +26,7 @@ import orjson
 
 from kvproxy import sse
 from kvproxy.canary import CanaryHit, CanaryScanner
-from kvproxy.output import SEP, read_payload
+from kvproxy.output import SEP, prompt_tokens_of, read_payload
 
 # Comments, `event:` and `id:` lines of the stream: the client receives them too.
 OTHER_LINES_PATH = SEP + "sse"
@@ -51,7 +52,9 @@ class StreamGuard:
         scanner = self.scanner
         output = False
         for payload in framed.payloads:
-            if scanner is None and self.output_seen:
+            # After the first output only the scan and `usage` need an event, and an event
+            # the scanner proves marker-free (`CanaryScanner.skips`) needs no decode.
+            if self.output_seen and (scanner is None or scanner.skips(payload)):
                 if b'"usage"' in payload:
                     self._usage_from(payload)
                 continue
@@ -87,7 +90,8 @@ class StreamGuard:
         return rest
 
     def _usage_from(self, payload: bytes) -> None:
-        with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
-            usage = orjson.loads(payload).get("usage")
-            if isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int:
-                self.prompt_tokens = usage["prompt_tokens"]
+        with contextlib.suppress(orjson.JSONDecodeError):
+            obj = orjson.loads(payload)
+            n = prompt_tokens_of(obj) if type(obj) is dict else None
+            if n is not None:
+                self.prompt_tokens = n

@@ -161,7 +161,7 @@ def _one_choice_chunk(obj: dict[str, Any]) -> Reading | None:
             return None
     paths.append(KEYS_PATH)
     texts.append("\x00".join(keys))
-    return Reading(paths, texts, out, False, False, _prompt_tokens(obj))
+    return Reading(paths, texts, out, False, False, prompt_tokens_of(obj))
 
 
 def _the_choice(
@@ -248,7 +248,7 @@ def _read_value(obj: Any, gen: list[tuple[str, str]] | None) -> Reading:
     stack.reverse()  # visit in document order
     seen, dups = _visit(stack, paths, texts, keys, gen)
     error = kind == _ERROR
-    return _reading(paths, texts, keys, out or seen, dups, error, _prompt_tokens(obj))
+    return _reading(paths, texts, keys, out or seen, dups, error, prompt_tokens_of(obj))
 
 
 def _walk_one(obj: Any) -> Reading:
@@ -382,7 +382,8 @@ def _positive(v: Any) -> bool:
     return type(v) is int and v >= 1
 
 
-def _prompt_tokens(obj: dict[str, Any]) -> int | None:
+def prompt_tokens_of(obj: dict[str, Any]) -> int | None:
+    """The prompt size a response's `usage` reports, under either name engines use."""
     usage = obj.get("usage")
     n = _get(usage, "prompt_tokens")
     if n is None:

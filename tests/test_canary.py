@@ -499,3 +499,80 @@ def test_a_marker_anywhere_in_any_shape_split_across_events_is_found(
         b"data: " + orjson.dumps(second) + b"\n\n",
     ]
     assert scan_stream(rules().scanner("bob"), stream) == [CanaryHit("acme", "acme#2")]
+
+
+# --- the raw-bytes prefilter (CanaryScanner.skips) ----------------------------------------
+
+
+def test_skips_only_events_provably_free_of_any_marker_part() -> None:
+    s = rules().scanner("bob")  # foreign: acme's markers, starting with "A" and "K"
+    clean = b'{"choices":[{"index":0,"delta":{"content":"hello there"}}]}'
+    assert s.skips(clean)
+    assert not s.skips(clean.replace(b"hello", b"Kello"))  # a start character
+    assert not s.skips(clean.replace(b"hello", b"h\\u0065llo"))  # an escape could hide one
+    # A tail that holds a start character may be the head of a split marker.
+    assert s.feed(["p"], ["lead-in KVCAN"]) is None
+    assert not s.skips(clean)
+    assert s.feed(["p"], ["ARY-acme-0123456789abcdef"]) == CanaryHit("acme", "acme#2")
+    # Once the tails hold none again (the marker's characters scrolled out), it skips.
+    assert s.feed(["p"], ["x" * MAX_MARKER_CHARS]) is None
+    assert s.skips(clean)
+
+
+@pytest.mark.parametrize(
+    "pattern", ["[A-Z]{3}-leak-[0-9]{4}", "(?i:kvcanary)-[0-9]{8}", "\x00CANARY-x1y2z3"]
+)
+def test_skips_nothing_when_a_marker_has_no_known_first_character(pattern: str) -> None:
+    r = CanaryRules.from_tenants([CanaryTenant(tenant="acme", patterns=(pattern,))])
+    assert not r.scanner("bob").skips(b'{"choices":[{"delta":{"content":"hello"}}]}')
+
+
+class _NoSkip(CanaryScanner):
+    __slots__ = ()
+
+    def skips(self, payload: bytes) -> bool:
+        return False
+
+
+def _no_skip(scanner: CanaryScanner) -> CanaryScanner:
+    return _NoSkip(scanner._compiled, scanner.tenant)
+
+
+_PIECES = st.sampled_from(
+    ["the ", "KV", "CANARY", "-acme-", "0123456789abcdef", "ACME-", "CANARY-7f3a9c", "é😀",
+     "K", "A", "x", "\n", "{", "\"", "BOB-"]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    texts=st.lists(st.lists(_PIECES, max_size=6).map("".join), min_size=1, max_size=12),
+    escapes=st.lists(st.booleans(), min_size=12, max_size=12),
+    fields=st.lists(st.sampled_from(["content", "reasoning_content", "text"]), min_size=12,
+                    max_size=12),
+    cuts=st.lists(st.integers(1, 4000), max_size=6),
+    viewer=st.sampled_from(["bob", "acme", "nobody"]),
+)  # fmt: skip
+def test_the_prefilter_never_changes_what_is_found(
+    texts: list[str], escapes: list[bool], fields: list[str], cuts: list[int], viewer: str
+) -> None:
+    """Hits with the prefilter equal hits without it, for streams built from marker pieces
+    spread over events, fields and choices, some written with JSON escapes, cut anywhere."""
+    events = [_chat({"role": "assistant", "content": ""})]
+    for i, text in enumerate(texts):
+        events.append(
+            {"choices": [{"index": i % 2, "delta": {fields[i]: text}}]}
+            if i % 3
+            else _chat({fields[i]: text})
+        )
+    raw = b""
+    for i, e in enumerate(events):
+        body = orjson.dumps(e)
+        if i and escapes[(i - 1) % 12] and texts[i - 1]:
+            body = _escaped(e, texts[i - 1])  # every character of it
+        raw += b"data: " + body + b"\n\n"
+    raw += b"data: [DONE]\n\n"
+    at = sorted({c % len(raw) for c in cuts} - {0})
+    pieces = [raw[a:b] for a, b in itertools.pairwise([0, *at, len(raw)])]
+    expect = scan_stream(_no_skip(rules().scanner(viewer)), pieces)
+    assert scan_stream(rules().scanner(viewer), pieces) == expect
