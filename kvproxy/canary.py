@@ -208,11 +208,11 @@ class CanaryScanner:
         if compiled is None:
             return True
         starts = compiled.starts
-        if starts is None or compiled.starts_utf8 is None or b"\\" in payload:
-            return False
-        if compiled.starts_utf8.search(payload) is not None:
-            return False
-        return self._streams.tails_clean(starts)
+        return (
+            starts is not None
+            and _holds_no_start(compiled, payload)
+            and self._streams.tails_clean(starts)
+        )
 
     def feed_text(self, index: int, text: str) -> CanaryHit | None:
         """Scan the next piece of text of choice `index` (one path per index)."""
@@ -221,8 +221,8 @@ class CanaryScanner:
     def scan_body(self, body: bytes) -> CanaryHit | None:
         """Scan a whole non-streamed body: every string in it (`output.read_body`)."""
         compiled = self._compiled
-        if compiled is None:
-            return None
+        if compiled is None or _holds_no_start(compiled, body):
+            return None  # a body starts with no tail: its bytes alone decide (`skips`)
         streams = _Streams()
         first: CanaryHit | None = None
         for reading in read_body(body):
@@ -287,6 +287,12 @@ class CanaryScanner:
                 self.hits.append(hit)
             first = first or hit
         return first, end
+
+
+def _holds_no_start(compiled: _Compiled, data: bytes) -> bool:
+    """No JSON escape and no marker's first character in `data` (the raw-bytes prefilter)."""
+    starts = compiled.starts_utf8
+    return starts is not None and b"\\" not in data and starts.search(data) is None
 
 
 def _find(compiled: _Compiled, text: str) -> list[tuple[int, int, _Marker]]:

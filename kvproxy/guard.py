@@ -20,13 +20,9 @@ Must never: log, touch a socket, or keep more than one incomplete event.
 
 from __future__ import annotations
 
-import contextlib
-
-import orjson
-
 from kvproxy import sse
 from kvproxy.canary import CanaryHit, CanaryScanner
-from kvproxy.output import SEP, prompt_tokens_of, read_payload
+from kvproxy.output import SEP, prompt_tokens_in, read_payload
 
 # Comments, `event:` and `id:` lines of the stream: the client receives them too.
 OTHER_LINES_PATH = SEP + "sse"
@@ -90,8 +86,6 @@ class StreamGuard:
         return rest
 
     def _usage_from(self, payload: bytes) -> None:
-        with contextlib.suppress(orjson.JSONDecodeError):
-            obj = orjson.loads(payload)
-            n = prompt_tokens_of(obj) if type(obj) is dict else None
-            if n is not None:
-                self.prompt_tokens = n
+        n = prompt_tokens_in(payload)
+        if n is not None:
+            self.prompt_tokens = n

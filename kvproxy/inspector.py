@@ -27,7 +27,7 @@ from kvproxy import errors
 from kvproxy.canary import CanaryHit, CanaryScanner
 from kvproxy.errors import KvproxyError
 from kvproxy.guard import StreamGuard
-from kvproxy.output import read_payload
+from kvproxy.output import prompt_tokens_in
 
 KEEP_BODY_BYTES = 8 * 1024 * 1024
 SCAN_BODY_BYTES = 64 * 1024 * 1024
@@ -127,8 +127,8 @@ class ResponseInspector:
         if not body:
             return step
         if self.read_usage:
-            # The same reading of `usage` the stream guard uses (output.read_payload).
-            tokens = read_payload(body).prompt_tokens
+            # The same reading of `usage` the stream guard uses.
+            tokens = prompt_tokens_in(body)
             if tokens is not None:
                 self.prompt_tokens = tokens
         if self.scanner is not None:

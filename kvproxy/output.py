@@ -404,6 +404,18 @@ def read_payload(payload: bytes) -> Reading:
         return raw_reading(payload)
 
 
+def prompt_tokens_in(data: bytes) -> int | None:
+    """`read_payload(data).prompt_tokens` without the walk: only a top-level `usage`
+    counts, so a body that cannot hold that key (not even escaped) is not decoded."""
+    if b'"usage"' not in data and b"\\" not in data:
+        return None
+    try:
+        obj = orjson.loads(data)
+    except (orjson.JSONDecodeError, RecursionError):
+        return None
+    return prompt_tokens_of(obj) if type(obj) is dict else None
+
+
 def raw_reading(data: bytes) -> Reading:
     """Text that is not decodable JSON, as a client that shows it (or decodes it leniently)
     would see it: the raw text, and with JSON escapes resolved when it has any."""

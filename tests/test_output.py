@@ -274,3 +274,21 @@ def test_chunk_shaped_objects_read_the_same_on_both_paths(
     assert (fast.output, fast.done, fast.error, fast.prompt_tokens) == (
         walked.output, walked.done, walked.error, walked.prompt_tokens
     )  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    obj=st.recursive(
+        st.none() | st.integers(-(2**40), 2**40) | st.text(max_size=6),
+        lambda kids: st.lists(kids, max_size=3)
+        | st.dictionaries(st.sampled_from(["usage", "prompt_tokens", "input_tokens", "x"]), kids,
+                          max_size=3),
+        max_leaves=8,
+    ),
+    escape=st.booleans(),
+)  # fmt: skip
+def test_prompt_tokens_in_reads_what_the_full_reading_reads(obj: object, escape: bool) -> None:
+    data = orjson.dumps(obj)
+    if escape:  # the key written with an escape is still the key
+        data = data.replace(b'"usage"', b'"\\u0075sage"')
+    assert output.prompt_tokens_in(data) == output.read_payload(data).prompt_tokens
