@@ -1,11 +1,11 @@
 """Builds the public and admin aiohttp apps and owns the lifecycle.
 
 Lifecycle (explicit, like uvicorn's Server):
-  start: client session -> capacity monitor (first probe in the background) -> token counter
-         -> watchers -> admin site -> public site.
+  start: probe session and upstream pool -> capacity monitor (first probe in the
+         background) -> token counter -> watchers -> admin site -> public site.
   stop:  readiness false and the public port closed (no new connections) -> wait for
          in-flight and deferred requests up to `shutdown_grace_s` -> hard stop: deferred
-         drains still open end as `shutdown` -> close sites, monitor, counter, session.
+         drains still open end as `shutdown` -> close sites, monitor, counter, pool, session.
 The admin site stays up until the very end so Prometheus can scrape the drain.
 """
 
@@ -29,6 +29,7 @@ from kvproxy.proxy import SERVICES_KEY, STATE_KEY, handle
 from kvproxy.state import ServerState, Services
 from kvproxy.tenants import TenantResolver
 from kvproxy.tokens import TokenCounter
+from kvproxy.upstream import UpstreamPool
 from kvproxy.watch import DisconnectWatcher, LoopLagMonitor, release_heap, settle_heap
 
 log = logging.getLogger("kvproxy.app")
@@ -108,6 +109,12 @@ class KvproxyServer:
             settings=s,
             metrics=self.metrics,
             session=session,
+            upstream=UpstreamPool(
+                limit=s.upstream_max_connections,
+                keepalive_s=s.upstream_keepalive_s,
+                connect_timeout_s=s.upstream_connect_timeout_s,
+                read_timeout_s=s.upstream_read_timeout_s,
+            ),
             watcher=DisconnectWatcher(),
             lag=LoopLagMonitor(self.metrics),
             models=models,
@@ -253,6 +260,7 @@ class KvproxyServer:
         await services.lag.stop()
         await services.models.stop_capacity()
         await services.models.aclose()
+        await services.upstream.close()
         await services.session.close()
         if self._admin is not None:
             await self._admin.cleanup()

@@ -38,6 +38,7 @@ from pydantic_settings import (
 )
 
 from kvproxy.errors import ConfigError as ConfigError  # raised here; callers import it here
+from kvproxy.origin import parse_origin
 
 if TYPE_CHECKING:
     from kvproxy.models_config import ModelSpec
@@ -96,6 +97,13 @@ def check_url(v: str) -> str:
     if not v.startswith(("http://", "https://")):
         raise ValueError(f"must start with http:// or https://, got {v!r}")
     return v.rstrip("/")
+
+
+def check_upstream(v: str) -> str:
+    """A router URL the relay's client can reach (kvproxy.origin)."""
+    v = check_url(v)
+    parse_origin(v)
+    return v
 
 
 class Settings(BaseSettings):
@@ -226,7 +234,7 @@ class Settings(BaseSettings):
     @field_validator("upstream")
     @classmethod
     def _url(cls, v: str) -> str:
-        return check_url(v)
+        return check_upstream(v)
 
     @field_validator("tokenizer")
     @classmethod

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvproxy.config import EngineSpec, check_tokenizer, check_url
+from kvproxy.config import EngineSpec, check_tokenizer, check_upstream
 
 if TYPE_CHECKING:
     from kvproxy.config import Settings
@@ -83,7 +83,7 @@ class ModelSpec(BaseModel):
     @field_validator("upstream")
     @classmethod
     def _upstream(cls, v: str | None) -> str | None:
-        return None if v is None else check_url(v)
+        return None if v is None else check_upstream(v)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -16,10 +16,17 @@ import aiohttp
 
 from kvproxy import errors
 from kvproxy.errors import NetworkKind
+from kvproxy.upstream import UpstreamConnectError, UpstreamProtocolError
 
-# What a network leg can raise: aiohttp's errors, the OS's (resets, refused connections,
-# socket.gaierror) and timeouts (asyncio.timeout, aiohttp's own ServerTimeoutError).
-NETWORK_EXCEPTIONS: tuple[type[BaseException], ...] = (TimeoutError, aiohttp.ClientError, OSError)
+# What a network leg can raise: aiohttp's errors, the relay client's (kvproxy.upstream), the
+# OS's (resets, refused connections, socket.gaierror) and timeouts (asyncio.timeout,
+# aiohttp's own ServerTimeoutError).
+NETWORK_EXCEPTIONS: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    aiohttp.ClientError,
+    UpstreamProtocolError,
+    OSError,
+)
 
 
 def classify(exc: BaseException) -> NetworkKind:
@@ -29,6 +36,8 @@ def classify(exc: BaseException) -> NetworkKind:
         return "timeout"
     if isinstance(exc, aiohttp.ClientConnectorDNSError):
         return "dns"
+    if isinstance(exc, UpstreamConnectError):
+        return "dns" if exc.dns else "connect"
     if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.InvalidURL)):
         return "connect"
     if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, OSError)):

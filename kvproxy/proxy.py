@@ -216,8 +216,8 @@ async def _handle(
         style=style,
     )
     try:
-        url = upstream + request.rel_url.raw_path_qs
-        resp = await exchange.run(request.method, url, headers, body)
+        target = request.rel_url.raw_path_qs
+        resp = await exchange.run(upstream, request.method, target, headers, body)
     finally:
         # I6: the budget comes back only now, when the upstream connection is closed.
         if lease is not None:

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import time
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -37,11 +35,9 @@ from kvproxy.netio import network_boundary
 from kvproxy.replies import error_response
 from kvproxy.sse import SSEError
 from kvproxy.state import Services
+from kvproxy.upstream import UpstreamResponse
 
 log = logging.getLogger("kvproxy.relay")
-
-# Above this a request body is sent in pieces (`_body_payload`).
-LARGE_BODY_BYTES = 1024 * 1024
 
 
 class _Signal:
@@ -86,7 +82,7 @@ class Exchange:
         self.gone: asyncio.Future[None] = services.watcher.watch(request)
         self.gone_seen = False
         self.shutdown_seen = False
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream: UpstreamResponse | None = None
         self.client: web.StreamResponse | None = None
         self.inspector: ResponseInspector | None = None
         self.token_seen = False
@@ -149,20 +145,14 @@ class Exchange:
     # --- the exchange -------------------------------------------------------------------
 
     async def run(
-        self, method: str, url: str, headers: CIMultiDict[str], body: bytes
+        self, upstream: str, method: str, target: str, headers: CIMultiDict[str], body: bytes
     ) -> web.StreamResponse | None:
-        """Returns a response to send when nothing was streamed yet, else None."""
+        """Send `method target` to the `upstream` URL; returns a response to send when
+        nothing was streamed yet, else None."""
         s = self.services
         t_sent = time.monotonic()
-        send: asyncio.Future[aiohttp.ClientResponse] = asyncio.ensure_future(
-            s.session.request(
-                method,
-                url,
-                data=_body_payload(body),
-                headers=headers,
-                allow_redirects=False,
-                auto_decompress=False,
-            )
+        send: asyncio.Future[UpstreamResponse] = asyncio.ensure_future(
+            s.upstream.request(upstream, method, target, headers, body)
         )
         try:
             result = await self._headers_phase(send)
@@ -179,8 +169,8 @@ class Exchange:
             self._account_deferral()
 
     async def _headers_phase(
-        self, send: asyncio.Future[aiohttp.ClientResponse]
-    ) -> aiohttp.ClientResponse | web.StreamResponse | None:
+        self, send: asyncio.Future[UpstreamResponse]
+    ) -> UpstreamResponse | web.StreamResponse | None:
         while True:
             try:
                 with network_boundary():
@@ -192,7 +182,7 @@ class Exchange:
                 if isinstance(decision, drain.CloseUpstream):
                     return None
                 continue
-            up: aiohttp.ClientResponse = got
+            up: UpstreamResponse = got
             self.upstream = up
             self.machine.handle(drain.UpstreamHeaders(now=time.monotonic()))
             return up
@@ -214,7 +204,7 @@ class Exchange:
             return None
         return error_response(err, self.extra_headers, self.style)
 
-    async def _start_client(self, up: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _start_client(self, up: UpstreamResponse) -> web.StreamResponse:
         headers = filter_headers(up.headers)
         headers.update(self.extra_headers)
         resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
@@ -227,9 +217,7 @@ class Exchange:
         self.client = resp
         return resp
 
-    async def _body_phase(
-        self, up: aiohttp.ClientResponse, t_sent: float
-    ) -> web.StreamResponse | None:
+    async def _body_phase(self, up: UpstreamResponse, t_sent: float) -> web.StreamResponse | None:
         is_sse = _is_sse(up)
         self.inspector = insp = ResponseInspector(
             self.scanner,
@@ -243,13 +231,13 @@ class Exchange:
             try:
                 with network_boundary():
                     if fast:
-                        chunk = await up.content.readany()
-                    elif buffered := up.content.read_nowait():
+                        chunk = await up.readany()
+                    elif buffered := up.read_nowait():
                         # Already here (a small response arrives with its headers): no wait, so
                         # nothing to race and no task to spend.
                         chunk = buffered
                     else:
-                        read = asyncio.ensure_future(up.content.readany())
+                        read = asyncio.ensure_future(up.readany())
                         try:
                             got = await self._wait(read)
                         finally:
@@ -311,14 +299,14 @@ class Exchange:
                 )
             if not kept.forward:
                 continue
-            if self.client is None and not is_sse and up.content.at_eof():
+            if self.client is None and not is_sse and up.at_eof():
                 # The whole body is here and nothing was sent yet: answer it in one write at
                 # EOF (the next read) instead of a prepared stream, a write and an EOF.
                 self.whole = kept.forward
             elif not await self._write(up, kept.forward):
                 return None
 
-    async def _write(self, up: aiohttp.ClientResponse, chunk: bytes) -> bool:
+    async def _write(self, up: UpstreamResponse, chunk: bytes) -> bool:
         """Relay one chunk; False when the upstream must now be closed (client gone at a
         safe point)."""
         try:
@@ -344,7 +332,7 @@ class Exchange:
         # to the drain machine like any other (it carries a token).
         return step.withhold and not self.gone_seen
 
-    async def _finish(self, up: aiohttp.ClientResponse, end: Step) -> web.StreamResponse | None:
+    async def _finish(self, up: UpstreamResponse, end: Step) -> web.StreamResponse | None:
         if self.gone_seen:
             return None
         assert self.inspector is not None
@@ -374,7 +362,7 @@ class Exchange:
         )
 
     async def _block(
-        self, up: aiohttp.ClientResponse, err: KvproxyError | None = None
+        self, up: UpstreamResponse, err: KvproxyError | None = None
     ) -> web.StreamResponse | None:
         """Withhold the rest of the response (a canary hit, by default)."""
         # The marker arrived in a generated token: decode holds its KV, the transfer is
@@ -402,8 +390,8 @@ class Exchange:
         up = self.upstream
         if up is None:
             return
-        if up.content.at_eof():
-            up.release()  # pools the connection
+        if up.at_eof():
+            up.release()  # pools the connection (if the upstream keeps it alive)
         else:
             up.close()  # an intentional abort drops it
 
@@ -432,11 +420,5 @@ class Exchange:
             )
 
 
-def _body_payload(body: bytes) -> bytes | io.BytesIO:
-    # aiohttp writes a bytes body in one go and warns above 1 MiB; a BytesIO is sent in
-    # 64 KiB pieces with the same Content-Length, so a 4 MB prompt never blocks the loop.
-    return body if len(body) <= LARGE_BODY_BYTES else io.BytesIO(body)
-
-
-def _is_sse(up: aiohttp.ClientResponse) -> bool:
+def _is_sse(up: UpstreamResponse) -> bool:
     return up.headers.get("Content-Type", "").startswith("text/event-stream")

@@ -2,8 +2,9 @@
 one explicit object instead of module globals, and only what really changes in it).
 
 `Services`: built once at start, read by every request, never reassigned: the settings,
-the metrics, the upstream session, the watchers, each model's capacity/counter/budget
-(`models`), the tenant resolver and the canary rules. A handler receives them explicitly.
+the metrics, the relay's upstream pool and the probes' session, the watchers, each model's
+capacity/counter/budget (`models`), the tenant resolver and the canary rules. A handler
+receives them explicitly.
 
 `ServerState`: the mutable part: how many requests are in flight, whether the server is
 stopping, and the hard-stop future deferred drains race against. The app builds both at
@@ -26,13 +27,17 @@ if TYPE_CHECKING:
     from kvproxy.canary import CanaryRules
     from kvproxy.models import ModelTable
     from kvproxy.tenants import TenantResolver
+    from kvproxy.upstream import UpstreamPool
 
 
 @dataclass(frozen=True, slots=True)
 class Services:
     settings: Settings
     metrics: Metrics
+    # The engines' probes and the tools' requests (aiohttp).
     session: aiohttp.ClientSession
+    # The relay's requests to the router (kvproxy.upstream).
+    upstream: UpstreamPool
     watcher: DisconnectWatcher
     lag: LoopLagMonitor
     # Every model's capacity, counter and budget (`models.first` is the single model's).

@@ -1,0 +1,373 @@
+"""The relay's upstream client (kvproxy/upstream.py) against scripted loopback servers:
+framing (length, chunked, close-delimited, HEAD, 1xx, 204), keep-alive reuse and its
+limits, every failure the network boundary classifies, timeouts, large bodies both ways,
+and what must never be sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+from multidict import CIMultiDict
+
+from kvproxy.config import ConfigError, load_settings
+from kvproxy.netio import classify
+from kvproxy.origin import parse_origin
+from kvproxy.upstream import (
+    READ_HIGH_WATER,
+    UpstreamConnectError,
+    UpstreamPool,
+    UpstreamProtocolError,
+)
+
+Script = Callable[["Seen", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class Seen:
+    """What the server saw: connections opened, and each request's head and body."""
+
+    connections: int = 0
+    heads: list[bytes] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
+
+
+async def read_request(seen: Seen, reader: asyncio.StreamReader) -> bool:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return False
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    seen.heads.append(head)
+    seen.bodies.append(await reader.readexactly(length))
+    return True
+
+
+def replies(*responses: bytes, close: bool = False) -> Script:
+    """Answer each request on a connection with the next response; close after if asked."""
+
+    async def script(seen: Seen, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        for resp in responses:
+            if not await read_request(seen, r):
+                return
+            w.write(resp)
+            await w.drain()
+        if close:
+            w.close()
+            return
+        await r.read()  # hold the connection until the client lets go
+
+    return script
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Up: 1\r\n\r\nok"
+
+
+@asynccontextmanager
+async def server(script: Script) -> AsyncIterator[tuple[str, Seen]]:
+    seen = Seen()
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        seen.connections += 1
+        try:
+            await script(seen, r, w)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        srv.close()
+        await asyncio.wait_for(srv.wait_closed(), 5)
+
+
+def pool(**kw: float) -> UpstreamPool:
+    opts = {"limit": 8, "keepalive_s": 30.0, "connect_timeout_s": 5.0, "read_timeout_s": 30.0}
+    opts.update(kw)
+    return UpstreamPool(
+        limit=int(opts["limit"]),
+        keepalive_s=opts["keepalive_s"],
+        connect_timeout_s=opts["connect_timeout_s"],
+        read_timeout_s=opts["read_timeout_s"],
+    )
+
+
+async def read_all(resp: object) -> bytes:
+    out = b""
+    for _ in range(10_000):
+        chunk = await resp.readany()  # type: ignore[attr-defined]
+        if not chunk:
+            return out
+        out += chunk
+    raise AssertionError("the body did not end")
+
+
+def hdrs(**kv: str) -> CIMultiDict[str]:
+    return CIMultiDict((k.replace("_", "-"), v) for k, v in kv.items())
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_a_plain_head() -> None:
+    async with server(replies(OK, OK)) as (url, seen):
+        p = pool()
+        for _ in range(2):
+            resp = await p.request(url, "POST", "/v1/chat?x=1", hdrs(X_Request_ID="r1"), b"{}")
+            assert (resp.status, resp.reason, resp.headers["X-Up"]) == (200, "OK", "1")
+            assert await read_all(resp) == b"ok"
+            resp.release()
+        assert seen.connections == 1
+        assert p.idle_connections == 1
+        host = url.removeprefix("http://").encode()
+        assert seen.heads[0] == (
+            b"POST /v1/chat?x=1 HTTP/1.1\r\nHost: " + host + b"\r\nX-Request-ID: r1\r\n"
+            b"Content-Length: 2\r\n\r\n"
+        )
+        assert seen.bodies == [b"{}", b"{}"]
+        await p.close()
+        assert p.open_connections == 0
+
+
+async def test_chunked_body_arrives_in_pieces_and_ends() -> None:
+    async def script(seen: Seen, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(seen, r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await w.drain()
+        await asyncio.sleep(0.01)
+        w.write(b"6\r\n world\r\n0\r\n\r\n")
+        await w.drain()
+        await r.read()
+
+    async with server(script) as (url, _):
+        p = pool()
+        resp = await p.request(url, "GET", "/", hdrs(), b"")
+        assert await read_all(resp) == b"hello world"
+        assert resp.at_eof()
+        resp.release()
+        assert p.idle_connections == 1
+        await p.close()
+
+
+async def test_close_delimited_body_ends_at_the_close_and_is_not_reused() -> None:
+    resp_bytes = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end"
+    async with server(replies(resp_bytes, close=True)) as (url, _):
+        p = pool()
+        resp = await p.request(url, "GET", "/", hdrs(), b"")
+        assert await read_all(resp) == b"until the end"
+        resp.release()
+        assert p.idle_connections == 0
+        await p.close()
+
+
+async def test_head_ends_at_its_headers_and_204_has_no_body() -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"
+    no_content = b"HTTP/1.1 204 No Content\r\n\r\n"
+    async with server(replies(head)) as (url, _):
+        p = pool()
+        resp = await p.request(url, "HEAD", "/", hdrs(), b"")
+        assert resp.headers["Content-Length"] == "1000"
+        assert await read_all(resp) == b""
+        resp.release()
+        assert p.idle_connections == 0  # a HEAD's connection is not trusted again
+        await p.close()
+    async with server(replies(no_content, OK)) as (url, seen):
+        p = pool()
+        resp = await p.request(url, "DELETE", "/x", hdrs(), b"")
+        assert resp.status == 204
+        assert await read_all(resp) == b""
+        resp.release()
+        resp = await p.request(url, "GET", "/", hdrs(), b"")
+        assert await read_all(resp) == b"ok"
+        resp.release()
+        assert seen.connections == 1
+        await p.close()
+
+
+async def test_interim_responses_are_skipped() -> None:
+    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+    async with server(replies(interim + OK)) as (url, _):
+        p = pool()
+        resp = await p.request(url, "POST", "/", hdrs(), b"x")
+        assert resp.status == 200
+        assert "Link" not in resp.headers
+        assert await read_all(resp) == b"ok"
+        resp.release()
+        await p.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"garbage\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+    ],
+)
+async def test_unreadable_responses_are_protocol_errors(reply: bytes) -> None:
+    async with server(replies(reply)) as (url, _):
+        p = pool()
+        with pytest.raises(UpstreamProtocolError) as info:
+            await p.request(url, "GET", "/", hdrs(), b"")
+        assert classify(info.value) == "protocol"
+        assert p.open_connections == 0
+        await p.close()
+
+
+async def test_a_second_response_to_one_request_drops_the_connection() -> None:
+    async with server(replies(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nextra")) as (
+        url,
+        _,
+    ):
+        p = pool()
+        resp = await p.request(url, "GET", "/", hdrs(), b"")
+        assert await read_all(resp) == b"ok"  # the first is whole; the rest is not its body
+        await asyncio.sleep(0.05)
+        assert resp.read_nowait() == b""
+        resp.release()
+        assert p.open_connections == 0  # out of step with its requests: never reused
+        await p.close()
+
+
+async def test_a_close_mid_body_or_before_the_head_is_a_reset() -> None:
+    cut = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten.."
+    async with server(replies(cut, close=True)) as (url, _):
+        p = pool()
+        resp = await p.request(url, "GET", "/", hdrs(), b"")
+        with pytest.raises(ConnectionResetError) as info:
+            await read_all(resp)
+        assert classify(info.value) == "reset"
+        resp.close()
+        await p.close()
+    async with server(replies(close=True)) as (url, _):
+        p = pool()
+        with pytest.raises(ConnectionResetError):
+            await p.request(url, "GET", "/", hdrs(), b"")
+        await p.close()
+
+
+async def test_silence_past_the_read_timeout_fails_the_read() -> None:
+    stuck = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"
+    async with server(replies(stuck)) as (url, _):
+        p = pool(read_timeout_s=0.2)
+        resp = await p.request(url, "GET", "/", hdrs(), b"")
+        assert resp.read_nowait() in (b"", b"abc")
+        with pytest.raises(TimeoutError) as info:
+            await asyncio.wait_for(read_all(resp), 10)
+        assert classify(info.value) == "timeout"
+        await p.close()
+    async with server(replies()) as (url, _):  # reads the request, never answers
+        p = pool(read_timeout_s=0.2)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(p.request(url, "GET", "/", hdrs(), b""), 10)
+        await p.close()
+
+
+async def test_refused_connections_are_connect_failures() -> None:
+    async with server(replies()) as (url, _):
+        pass  # closed: nothing listens on the port any more
+    p = pool()
+    with pytest.raises(UpstreamConnectError) as info:
+        await p.request(url, "GET", "/", hdrs(), b"")
+    assert classify(info.value) == "connect"
+    assert classify(UpstreamConnectError("no such name", dns=True)) == "dns"
+    assert p.open_connections == 0
+    await p.close()
+
+
+async def test_the_limit_makes_callers_wait_for_a_free_connection() -> None:
+    async with server(replies(OK, OK, OK)) as (url, seen):
+        p = pool(limit=1)
+        first = await p.request(url, "GET", "/", hdrs(), b"")
+        second = asyncio.ensure_future(p.request(url, "GET", "/", hdrs(), b""))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # waits: the one connection is busy
+        assert await read_all(first) == b"ok"
+        first.release()
+        resp = await asyncio.wait_for(second, 5)
+        assert await read_all(resp) == b"ok"
+        resp.release()
+        assert seen.connections == 1
+        await p.close()
+
+
+async def test_an_idle_connection_is_not_reused_past_keepalive() -> None:
+    async with server(replies(OK, OK)) as (url, seen):
+        p = pool(keepalive_s=0.05)
+        resp = await p.request(url, "GET", "/", hdrs(), b"")
+        await read_all(resp)
+        resp.release()
+        await asyncio.sleep(0.2)  # the sweep closes it
+        assert p.idle_connections == 0
+        resp = await p.request(url, "GET", "/", hdrs(), b"")
+        await read_all(resp)
+        resp.release()
+        assert seen.connections == 2
+        await p.close()
+
+
+async def test_large_bodies_both_ways_and_reading_pauses_for_a_slow_reader() -> None:
+    big = bytes(range(256)) * (3 * 4096)  # 3 MiB up
+    down = b"z" * (4 * READ_HIGH_WATER)
+
+    async def script(seen: Seen, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(seen, r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(down) + down)
+        await w.drain()
+        await r.read()
+
+    async with server(script) as (url, seen):
+        p = pool()
+        resp = await p.request(url, "POST", "/", hdrs(), big)
+        await asyncio.sleep(0.2)  # the server wrote it all; the client must not hold it all
+        held = resp._size  # noqa: SLF001  (the bound is the point)
+        assert held <= READ_HIGH_WATER + 256 * 1024
+        assert await read_all(resp) == down
+        resp.release()
+        assert seen.bodies == [big]
+        await p.close()
+
+
+async def test_a_path_prefix_of_the_upstream_url_is_kept() -> None:
+    async with server(replies(OK)) as (url, seen):
+        p = pool()
+        resp = await p.request(url + "/router", "GET", "/v1/models", hdrs(), b"")
+        await read_all(resp)
+        resp.release()
+        assert seen.heads[0].startswith(b"GET /router/v1/models HTTP/1.1\r\n")
+        await p.close()
+
+
+@pytest.mark.parametrize("value", ["a\r\nX-Smuggled: 1", "a\nb", "a\x00"])
+async def test_line_breaks_never_reach_the_upstream(value: str) -> None:
+    async with server(replies(OK)) as (url, seen):
+        p = pool()
+        with pytest.raises(ValueError, match="CR, LF or NUL"):
+            await p.request(url, "GET", "/", hdrs(X_Note=value), b"")
+        assert seen.connections == 0
+        await p.close()
+
+
+def test_origins() -> None:
+    assert parse_origin("http://router:8000").host_header == b"router:8000"
+    https = parse_origin("https://router.svc/")
+    assert (https.port, https.tls, https.host_header, https.prefix) == (
+        443,
+        True,
+        b"router.svc",
+        "",
+    )
+    v6 = parse_origin("http://[::1]:9000/base/")
+    assert (v6.host, v6.host_header, v6.prefix) == ("::1", b"[::1]:9000", "/base")
+    for bad in ("ftp://x", "http://", "http://h/?q=1", "http://u:p@h"):
+        with pytest.raises(ValueError, match="upstream"):
+            parse_origin(bad)
+    with pytest.raises(ConfigError, match="upstream"):
+        load_settings(overrides={"upstream": "http://router:8000/?debug=1"})
