@@ -40,6 +40,12 @@ def setup_logging(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # No record field the JSON lines show needs them, and filling them (the thread's name,
+    # the pid, the multiprocessing process name) is most of a LogRecord's cost: the access
+    # log makes one per request.
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     # aiohttp logs every client-gone condition with a traceback at ERROR in some paths and
     # its own access log duplicates ours; we log those events ourselves, without content.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -17,8 +17,8 @@ cancellation).
 
 Timeouts, as aiohttp's sock_connect / sock_read were configured: connecting, and the gap
 between two reads of a response while the client keeps up (from the request's send on: a
-long prefill sends nothing for minutes). One timer per connection, armed when a request
-goes out and moved only when it fires, so a streamed chunk costs no timer work. An idle
+long prefill sends nothing for minutes). One timer per connection for its whole life,
+moved only when it fires, so neither a request nor a streamed chunk costs timer work. An idle
 connection is not reused after `keepalive_s` and is closed by a sweep soon after.
 
 Raises (kvproxy.netio classifies them): UpstreamConnectError (refused, unreachable, DNS),
@@ -309,7 +309,6 @@ class _Connection(asyncio.Protocol):
         resp = self.response
         if resp is not None:
             resp._end()
-        self._cancel_timer()
 
     # --- the pool's side ----------------------------------------------------------------
 
@@ -318,7 +317,8 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         assert self.response is None
         self.response = UpstreamResponse(self)
-        self.head = asyncio.get_running_loop().create_future()
+        self.head = head_future = asyncio.get_running_loop().create_future()
+        head_future.add_done_callback(self._head_settled)
         self._no_body = no_body
         self._interim = False
         self._reason.clear()
@@ -372,6 +372,10 @@ class _Connection(asyncio.Protocol):
             self.last_read = time.monotonic()  # the wait was the client's, not the upstream's
             self.transport.resume_reading()
 
+    def _head_settled(self, head: asyncio.Future[UpstreamResponse]) -> None:
+        if head.cancelled():
+            self.abort()  # the caller gave up on the response: an upstream cancellation
+
     def _head_failed(self, exc: BaseException) -> None:
         head = self.head
         if head is not None and not head.done():
@@ -397,10 +401,15 @@ class _Connection(asyncio.Protocol):
             self._timer = None
 
     def _on_timer(self) -> None:
+        # Kept for the connection's life rather than set and cancelled per request: the
+        # timer heap work would be a measurable part of a small request's cost.
         self._timer = None
-        if self.closed or self.response is None or self.response._eof:
+        if self.closed:
             return
         timeout = self.pool.read_timeout_s
+        if self.response is None or self.response._eof:
+            self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timer)
+            return
         quiet = time.monotonic() - self.last_read
         if self._reading_paused or quiet < timeout:
             # Data came meanwhile, or the relay is the slow side: look again later.
@@ -450,6 +459,26 @@ class UpstreamPool:
         if got is None:
             got = self._origins[url] = parse_origin(url)
         return got
+
+    def start(
+        self, url: str, method: str, target: str, headers: CIMultiDict[str], body: bytes
+    ) -> asyncio.Future[UpstreamResponse]:
+        """`request` as a future to race, without a task when it can be sent right away (an
+        idle connection and a body that goes in one write, the common case). Cancelling
+        the future aborts the connection (an upstream cancellation)."""
+        origin = self.origin(url)
+        if len(body) <= WRITE_PIECE and not self._closed and self._idle.get(origin):
+            head = _request_head(method, origin.prefix + target, origin.host_header, headers, body)
+            conn = self._reuse(origin)
+            if conn is not None:
+                try:
+                    conn.send(head, body, no_body=method == "HEAD")
+                except BaseException:
+                    conn.abort()
+                    raise
+                assert conn.head is not None
+                return conn.head
+        return asyncio.ensure_future(self.request(url, method, target, headers, body))
 
     async def request(
         self, url: str, method: str, target: str, headers: CIMultiDict[str], body: bytes
@@ -601,19 +630,19 @@ class UpstreamPool:
 def _request_head(
     method: str, target: str, host: bytes, headers: CIMultiDict[str], body: bytes
 ) -> bytes:
-    parts = [method.encode("ascii"), b" ", _field(target or "/"), b" HTTP/1.1\r\nHost: ", host]
-    for name, value in headers.items():
-        parts += (b"\r\n", _field(name), b": ", _field(value))
+    fields = [f"{name}: {value}" for name, value in headers.items()]
+    # Headers reach here as aiohttp parsed them (it refuses CR and LF in the client's
+    # request); kvproxy's own values are ids and numbers. Checked anyway, on the fields
+    # before they are joined: a line break sent upstream would smuggle a request to the
+    # router. One scan of the joined fields instead of three per header.
+    joined = "".join(fields) + method + target
+    if "\r" in joined or "\n" in joined or "\x00" in joined or " " in target:
+        raise ValueError("a header or target for the upstream holds CR, LF or NUL (or a space)")
+    line = f"{method} {target or '/'} HTTP/1.1\r\nHost: ".encode("utf-8", "surrogateescape")
+    parts = [line, host]
+    if fields:
+        parts += (b"\r\n", "\r\n".join(fields).encode("utf-8", "surrogateescape"))
     if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
         parts += (b"\r\nContent-Length: ", str(len(body)).encode())
     parts.append(b"\r\n\r\n")
     return b"".join(parts)
-
-
-def _field(text: str) -> bytes:
-    # Headers reach here as aiohttp parsed them (it refuses CR and LF in the client's
-    # request); kvproxy's own values are ids and numbers. Checked anyway: a line break
-    # sent upstream would be a request smuggled to the router.
-    if "\r" in text or "\n" in text or "\x00" in text:
-        raise ValueError("a header or target for the upstream holds CR, LF or NUL")
-    return text.encode("utf-8", "surrogateescape")

@@ -327,7 +327,7 @@ async def test_large_bodies_both_ways_and_reading_pauses_for_a_slow_reader() -> 
         p = pool()
         resp = await p.request(url, "POST", "/", hdrs(), big)
         await asyncio.sleep(0.2)  # the server wrote it all; the client must not hold it all
-        held = resp._size  # noqa: SLF001  (the bound is the point)
+        held = resp._size  # private, but the bound is the point
         assert held <= READ_HIGH_WATER + 256 * 1024
         assert await read_all(resp) == down
         resp.release()
