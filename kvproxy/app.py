@@ -123,6 +123,8 @@ class KvproxyServer:
         )
         self._state = state = ServerState(hard_stop=loop.create_future())
         state.idle.set()
+        # Read at scrape time: a gauge write per request start and end was measurable.
+        self.metrics.inflight.set_function(lambda: state.inflight)
         for canary in s.canaries:
             self.metrics.canary_violations.labels(canary.tenant)
         for m in models.models:

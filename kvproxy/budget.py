@@ -178,7 +178,6 @@ class InflightBudget:
         started = self._clock()
         waiter = _Waiter(tokens, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
-        self._publish()
         try:
             async with asyncio.timeout(self.queue_timeout_s):
                 await waiter.fut
@@ -227,7 +226,6 @@ class InflightBudget:
             if not waiter.fut.done():
                 waiter.fut.set_exception(errors.over_budget(self._retry_after_s, detail))
                 n += 1
-        self._publish()
         return n
 
     # --- bookkeeping (event-loop confined, so no locks) ----------------------------------
@@ -240,7 +238,6 @@ class InflightBudget:
     def _take(self, tokens: int) -> None:
         self._tokens += tokens
         self._requests += 1
-        self._publish()
 
     def _give_back(self, tokens: int) -> None:
         self._tokens -= tokens
@@ -262,7 +259,6 @@ class InflightBudget:
             self._waiters.popleft()
             self._take(head.tokens)
             head.fut.set_result(None)
-        self._publish()
 
     @staticmethod
     def _granted(waiter: _Waiter) -> bool:
@@ -284,8 +280,10 @@ class InflightBudget:
         return ", ".join(parts) or "budget full"
 
     def _publish(self) -> None:
-        self._metrics.budget_tokens_in_use.labels(self._model).set(self._tokens)
-        self._metrics.queue_depth.labels(self._model).set(len(self._waiters))
+        # Read when Prometheus scrapes, not written on every acquire and release: a gauge
+        # write takes a lock and was a measurable part of a small request's cost.
+        self._metrics.budget_tokens_in_use.labels(self._model).set_function(lambda: self._tokens)
+        self._metrics.queue_depth.labels(self._model).set_function(lambda: len(self._waiters))
 
     def __repr__(self) -> str:
         return (

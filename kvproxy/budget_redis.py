@@ -188,7 +188,6 @@ class RedisBudget:
         started = time.monotonic()
         deadline = started + self.queue_timeout_s
         self._waiters += 1
-        self._publish()
         try:
             while True:
                 wake = self._wake
@@ -223,7 +222,6 @@ class RedisBudget:
             raise
         finally:
             self._waiters -= 1
-            self._publish()
 
     def reject_waiting(self, detail: str = "the server is shutting down") -> int:
         n = self._waiters + self._fallback.reject_waiting(detail)
@@ -303,7 +301,6 @@ class RedisBudget:
         self._tokens -= lease.tokens
         self._requests -= 1
         self._unreleased.add(lease.id)
-        self._publish()
         self._wake_all()  # our own waiters need no round trip through pub/sub
         if not self.degraded:
             self._background(self._release_quietly(lease.id))
@@ -402,7 +399,6 @@ class RedisBudget:
             )
         lease = FallbackLease(self, await self._fallback.acquire(tokens))
         self._fallback_held.add(lease)
-        self._publish()
         return lease
 
     def _over_share(self, tokens: int) -> bool:
@@ -419,7 +415,6 @@ class RedisBudget:
             self._unreleased.add(lease.redis_id)
             if not self.degraded:
                 self._background(self._release_quietly(lease.redis_id))
-        self._publish()
         self._wake_all()
 
     def _enter_degraded(self, exc: BaseException) -> None:
@@ -464,5 +459,8 @@ class RedisBudget:
         return ", ".join(parts) or "budget full"
 
     def _publish(self) -> None:
-        self._metrics.budget_tokens_in_use.labels(self._model).set(self.tokens_in_use)
-        self._metrics.queue_depth.labels(self._model).set(self.queue_depth)
+        # Read when Prometheus scrapes (as the local budget does), not written per request.
+        self._metrics.budget_tokens_in_use.labels(self._model).set_function(
+            lambda: self.tokens_in_use
+        )
+        self._metrics.queue_depth.labels(self._model).set_function(lambda: self.queue_depth)

@@ -58,7 +58,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         route=match.label,
         started=time.monotonic(),
     )
-    services.metrics.inflight.set(state.enter())
+    state.enter()
     try:
         try:
             resp = await _handle(services, state, request, match, rec)
@@ -84,7 +84,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         ).inc()
         if services.settings.access_log:
             rec.emit(access_log)
-        services.metrics.inflight.set(state.leave())
+        state.leave()
 
 
 async def _handle(

@@ -100,3 +100,39 @@ async def test_engine_counting_more_than_the_proxy_is_flagged(
             assert resp.status == 200
         assert proxy.metrics.token_bound_exceeded.labels("default")._value.get() == 1
     assert "tokenizer does not match the model" in captured.getvalue()
+
+
+def test_the_direct_access_line_is_the_line_logging_would_write() -> None:
+    from kvproxy.logs import AccessRecord, JsonStreamHandler, _only_json_handler
+
+    buf = io.StringIO()
+    handler = JsonStreamHandler(buf)
+    handler.setFormatter(JsonFormatter())
+    log = logging.getLogger("kvproxy.access.direct-test")
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    rec = AccessRecord(request_id="r1", method="POST", path="/v1/x", route="chat")
+    rec.status, rec.prompt_tokens, rec.ttft_s = 200, 12, 0.25
+    try:
+        assert _only_json_handler(log) is handler
+        rec.emit(log)  # direct
+        log.addFilter(lambda r: True)  # any filter: the record must go through logging
+        assert _only_json_handler(log) is None
+        rec.emit(log)
+        direct, logged = (json.loads(line) for line in buf.getvalue().splitlines())
+        direct.pop("ts")
+        logged.pop("ts")
+        assert direct == logged
+        assert logged["request_id"] == "r1"
+        assert logged["msg"] == "request"
+        # A second handler anywhere on the way (a test's capture, an operator's file) also
+        # sends the record through logging, so every handler gets it.
+        log.filters.clear()
+        other = logging.StreamHandler(io.StringIO())
+        log.addHandler(other)
+        assert _only_json_handler(log) is None
+    finally:
+        log.handlers.clear()
+        log.filters.clear()
+        log.propagate = True
