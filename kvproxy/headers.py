@@ -24,13 +24,18 @@ HOP_BY_HOP = frozenset(
 )
 
 
+_HOP_NAMES = tuple(sorted(HOP_BY_HOP))
+
+
 def filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
-    """Drop hop-by-hop headers, including those the Connection header names."""
-    named = {tok.strip().lower() for v in headers.getall("Connection", []) for tok in v.split(",")}
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in headers.items():
-        lk = k.lower()
-        if lk in HOP_BY_HOP or lk in named:
-            continue
-        out.add(k, v)
+    """Drop hop-by-hop headers, including those the Connection header names; the others
+    keep their order. A copy and a few deletions in multidict's C code, not a Python loop
+    over every header (twice per request)."""
+    out: CIMultiDict[str] = CIMultiDict(headers)
+    for value in headers.getall("Connection", ()):
+        for token in value.split(","):
+            out.popall(token.strip(), None)
+    for name in _HOP_NAMES:
+        if name in out:
+            del out[name]
     return out

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvproxy.prompt import Route, route_for_path
@@ -77,6 +77,10 @@ _MODELS_PREFIX = "/v1/models/"
 _CANONICAL = re.compile(r"(?:/[A-Za-z0-9\-._~!$&'()*+,;=:@]+)+/?|/")
 
 
+MEMO_ENTRIES = 1024
+MEMO_PATH_CHARS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class RouteMatch:
     kind: RouteKind
@@ -97,8 +101,22 @@ class RouteTable:
 
     exact: dict[str, frozenset[str] | None]
     prefixes: tuple[tuple[str, frozenset[str] | None], ...] = ()
+    # Answers already given: a pure function of (method, raw path) and this table, asked on
+    # every request with the same few paths. Bounded: unusual paths are classified afresh.
+    _memo: dict[tuple[str, str], RouteMatch] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
     def classify(self, method: str, raw_path: str) -> RouteMatch:
+        key = (method, raw_path)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._classify(method, raw_path)
+            if len(self._memo) < MEMO_ENTRIES and len(raw_path) <= MEMO_PATH_CHARS:
+                self._memo[key] = got
+        return got
+
+    def _classify(self, method: str, raw_path: str) -> RouteMatch:
         if not _CANONICAL.fullmatch(raw_path) or _has_dot_segment(raw_path):
             return RouteMatch(
                 "refused",
