@@ -4,9 +4,9 @@ arrive.
 
 Why not aiohttp's ClientSession, which the probes and tools keep using: the relay sends
 one shape of request to a handful of origins, and ClientSession's generality (URL objects,
-cookies, redirects, tracing, a payload registry, timers per request) measured 61 us of CPU
-per small request on these machines against 10 us for this client (bench/README.md), a
-third of the bare forwarder's whole cost.
+cookies, redirects, tracing, a payload registry, timers per request) costs about twice
+this client's CPU per small request (bench/client_cost.py: 129 vs 63 us on a busy run; a
+third of the bare forwarder's whole cost on a quiet one).
 
 `UpstreamPool.request(origin, method, target, headers, body)` sends one request on an idle
 connection to `origin` (or a new one: at most `limit` open, callers wait when all are
