@@ -17,6 +17,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -35,6 +36,16 @@ from kvproxy.upstream import UpstreamPool
 WARMUP = 200
 
 
+async def us_per_call(one: Callable[[], Awaitable[None]], n: int) -> float:
+    """CPU microseconds per awaited call, after a warm-up."""
+    for _ in range(WARMUP):
+        await one()
+    t = time.process_time()
+    for _ in range(n):
+        await one()
+    return (time.process_time() - t) / n * 1e6
+
+
 async def with_aiohttp(url: str, body: bytes, n: int) -> float:
     connector = aiohttp.TCPConnector(limit=64)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as s:
@@ -45,12 +56,7 @@ async def with_aiohttp(url: str, body: bytes, n: int) -> float:
                                  headers=headers) as r:  # fmt: skip
                 await r.read()
 
-        for _ in range(WARMUP):
-            await one()
-        t = time.process_time()
-        for _ in range(n):
-            await one()
-        return (time.process_time() - t) / n * 1e6
+        return await us_per_call(one, n)
 
 
 async def with_kvproxy(url: str, body: bytes, n: int) -> float:
@@ -64,12 +70,7 @@ async def with_kvproxy(url: str, body: bytes, n: int) -> float:
         resp.release()
 
     try:
-        for _ in range(WARMUP):
-            await one()
-        t = time.process_time()
-        for _ in range(n):
-            await one()
-        return (time.process_time() - t) / n * 1e6
+        return await us_per_call(one, n)
     finally:
         await pool.close()
 
