@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from kvproxy import sse
 from kvproxy.canary import CanaryHit, CanaryScanner
-from kvproxy.output import SEP, prompt_tokens_in, read_payload
+from kvproxy.output import SEP, read_payload
+from kvproxy.usage import prompt_tokens_in
 
 # Comments, `event:` and `id:` lines of the stream: the client receives them too.
 OTHER_LINES_PATH = SEP + "sse"

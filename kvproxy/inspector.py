@@ -27,7 +27,7 @@ from kvproxy import errors
 from kvproxy.canary import CanaryHit, CanaryScanner
 from kvproxy.errors import KvproxyError
 from kvproxy.guard import StreamGuard
-from kvproxy.output import prompt_tokens_in
+from kvproxy.usage import prompt_tokens_in
 
 KEEP_BODY_BYTES = 8 * 1024 * 1024
 SCAN_BODY_BYTES = 64 * 1024 * 1024

@@ -46,6 +46,7 @@ from typing import Any
 import orjson
 
 from kvproxy.sse import SSEParser
+from kvproxy.usage import prompt_tokens_of
 
 SEP = "\x1f"  # joins path components; JSON keys rarely hold it, and a clash only merges
 RAW_PATH = SEP + "raw"
@@ -382,15 +383,6 @@ def _positive(v: Any) -> bool:
     return type(v) is int and v >= 1
 
 
-def prompt_tokens_of(obj: dict[str, Any]) -> int | None:
-    """The prompt size a response's `usage` reports, under either name engines use."""
-    usage = obj.get("usage")
-    n = _get(usage, "prompt_tokens")
-    if n is None:
-        n = _get(usage, "input_tokens")  # /v1/responses and /v1/messages name it so
-    return n if type(n) is int else None
-
-
 # --- bytes in ------------------------------------------------------------------------------
 
 
@@ -402,18 +394,6 @@ def read_payload(payload: bytes) -> Reading:
         return read_value(orjson.loads(payload))
     except (orjson.JSONDecodeError, RecursionError):
         return raw_reading(payload)
-
-
-def prompt_tokens_in(data: bytes) -> int | None:
-    """`read_payload(data).prompt_tokens` without the walk: only a top-level `usage`
-    counts, so a body that cannot hold that key (not even escaped) is not decoded."""
-    if b'"usage"' not in data and b"\\" not in data:
-        return None
-    try:
-        obj = orjson.loads(data)
-    except (orjson.JSONDecodeError, RecursionError):
-        return None
-    return prompt_tokens_of(obj) if type(obj) is dict else None
 
 
 def raw_reading(data: bytes) -> Reading:

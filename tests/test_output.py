@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproxy import output
+from kvproxy import output, usage
 from kvproxy.output import (
     KEYS_PATH,
     SEP,
@@ -291,4 +291,4 @@ def test_prompt_tokens_in_reads_what_the_full_reading_reads(obj: object, escape:
     data = orjson.dumps(obj)
     if escape:  # the key written with an escape is still the key
         data = data.replace(b'"usage"', b'"\\u0075sage"')
-    assert output.prompt_tokens_in(data) == output.read_payload(data).prompt_tokens
+    assert usage.prompt_tokens_in(data) == output.read_payload(data).prompt_tokens

@@ -27,6 +27,8 @@ SANS_IO = (
     "kvproxy.canary",
     "kvproxy.output",
     "kvproxy.sse",
+    "kvproxy.usage",
+    "kvproxy.origin",
 )
 
 _PROBE = """
