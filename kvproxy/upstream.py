@@ -8,9 +8,11 @@ cookies, redirects, tracing, a payload registry, timers per request) costs about
 this client's CPU per small request (bench/client_cost.py: 129 vs 63 us on a busy run; a
 third of the bare forwarder's whole cost on a quiet one).
 
-`UpstreamPool.request(origin, method, target, headers, body)` sends one request on an idle
-connection to `origin` (or a new one: at most `limit` open, callers wait when all are
-busy) and returns an `UpstreamResponse` once its head arrived. Its body is read with
+`UpstreamPool.request(url, method, target, headers, body)` sends one request on an idle
+connection to the upstream at `url` (or a new one: at most `limit` open, callers wait when
+all are busy) and returns an `UpstreamResponse` once its head arrived; `start` is the same
+as a future to race, without a task when an idle connection takes it at once. The
+connection and its response are kvproxy.upstream_conn's. Its body is read with
 `readany` / `read_nowait` / `at_eof`; `release()` gives back a connection whose response
 was read to its end and may be kept alive, `close()` aborts it (the relay's upstream
 cancellation).
@@ -18,8 +20,8 @@ cancellation).
 Timeouts, as aiohttp's sock_connect / sock_read were configured: connecting, and the gap
 between two reads of a response while the client keeps up (from the request's send on: a
 long prefill sends nothing for minutes). One timer per connection for its whole life,
-moved only when it fires, so neither a request nor a streamed chunk costs timer work. An idle
-connection is not reused after `keepalive_s` and is closed by a sweep soon after.
+moved only when it fires, so neither a request nor a streamed chunk costs timer work. An
+idle connection is not reused after `keepalive_s` and is closed by a sweep soon after.
 
 Raises (kvproxy.netio classifies them): UpstreamConnectError (refused, unreachable, DNS),
 ConnectionResetError (the upstream closed before the response ended), TimeoutError,
@@ -28,7 +30,7 @@ outstanding).
 
 Must never: send a request on a connection with a response still unread, reuse one after
 a response it could not read to the end (HEAD, close-delimited, failed, aborted), send a
-header value holding CR or LF, or hold more than READ_HIGH_WATER unread body bytes
+header value holding CR, LF or NUL, or hold more than READ_HIGH_WATER unread body bytes
 (reading the socket pauses until the relay catches up).
 """
 
