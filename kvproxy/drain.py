@@ -20,24 +20,21 @@ points, after the client left, are:
                                    grace period of a shutdown over -> shutdown
     non-streaming or until=completion: only EOF, error, timeout or shutdown.
 
-States (client side x upstream side):
-
-    client:    PRESENT ──ClientGone──► GONE
-    upstream:  AWAITING_HEADERS ──UpstreamHeaders──► BEFORE_TOKEN ──UpstreamChunk(token)──►
-               STREAMING;  any of them ──(CloseUpstream decision)──► CLOSED
+The machine is its table, as h11's is (`_state.py`): `TRANSITIONS[mode][(client, upstream)]
+[event]` gives the next state and the decision, and `handle` does nothing but classify the
+event, look it up and apply the row. A missing row is a caller bug and raises
+`DrainProtocolError` without changing state (an upstream event after the upstream closed, a
+second `UpstreamHeaders`, a chunk or EOF before headers, a second `ClientGone`, a `Deadline`
+while the client is present and the upstream open). `Shutdown` means "the shutdown grace
+period is over, close now", not "SIGTERM arrived": on SIGTERM the server stops accepting and
+lets drains run. The two modes differ in two rows only (`_FIRST_TOKEN_ROWS`).
 
 {TRANSITIONS}
-
-`Shutdown` means "the shutdown grace period is over, close now", not "SIGTERM arrived":
-on SIGTERM the server stops accepting and lets drains run. Upstream events after the
-upstream closed, a second `UpstreamHeaders`, a chunk or EOF before headers, a second
-`ClientGone` and a `Deadline` while the client is present are caller bugs and raise
-`DrainProtocolError` without changing state. The table is `TRANSITIONS` (data, as h11
-keeps its own): this docstring renders it and the tests hold every decision to it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Literal, TypeAlias, get_args
@@ -138,19 +135,136 @@ FORWARD = Forward()
 DISCARD = Discard()
 KEEP_READING = KeepReading()
 NO_OP = NoOp()
+CLOSE = CloseUpstream(None)
+_CLOSE_AS: dict[Outcome, CloseUpstream] = {o: CloseUpstream(o) for o in DEFERRED_OUTCOMES}
 
 
-class _Up(Enum):
+# --- states and the events the table is keyed by ------------------------------------------
+
+
+class Client(Enum):
+    PRESENT = "present"
+    GONE = "gone"
+
+
+class Up(Enum):
     AWAITING_HEADERS = "awaiting_headers"
     BEFORE_TOKEN = "before_token"
     STREAMING = "streaming"
     CLOSED = "closed"
 
 
-_PHASE: dict[_Up, Phase] = {
-    _Up.AWAITING_HEADERS: "before_headers",
-    _Up.BEFORE_TOKEN: "before_first_token",
-    _Up.STREAMING: "streaming",
+class On(Enum):
+    """An event as the table sees it: `handle` tells a chunk with a generated token from
+    one without, and a deadline that is due from one that fired early."""
+
+    HEADERS = "UpstreamHeaders"
+    CHUNK = "UpstreamChunk"
+    TOKEN = "UpstreamChunk(token)"
+    EOF = "UpstreamEOF"
+    ERROR = "UpstreamError"
+    CLIENT_GONE = "ClientGone"
+    DEADLINE = "Deadline"
+    DEADLINE_EARLY = "Deadline(early)"
+    SHUTDOWN = "Shutdown"
+
+
+class Mode(Enum):
+    """FIRST_TOKEN: streaming with until=first_token; COMPLETION: every other request."""
+
+    FIRST_TOKEN = "first_token"
+    COMPLETION = "completion"
+
+
+State: TypeAlias = tuple[Client, Up]
+Row: TypeAlias = tuple[State, Decision]
+
+P, G = Client.PRESENT, Client.GONE
+AWAIT, BEFORE, STREAM, CLOSED = Up.AWAITING_HEADERS, Up.BEFORE_TOKEN, Up.STREAMING, Up.CLOSED
+
+_PHASE: dict[Up, Phase] = {
+    AWAIT: "before_headers",
+    BEFORE: "before_first_token",
+    STREAM: "streaming",
+}
+
+
+def _gone_rows(up: Up, chunk: Row, token: Row, eof: Row | None) -> dict[On, Row]:
+    """A drain under way: every way out of it, and what the upstream's bytes do meanwhile."""
+    rows: dict[On, Row] = {
+        On.ERROR: ((G, CLOSED), _CLOSE_AS["upstream_error"]),
+        On.DEADLINE: ((G, CLOSED), _CLOSE_AS["timeout"]),
+        On.DEADLINE_EARLY: ((G, up), KEEP_READING),  # re-arm at the deadline
+        On.SHUTDOWN: ((G, CLOSED), _CLOSE_AS["shutdown"]),
+    }
+    if up is AWAIT:
+        rows[On.HEADERS] = ((G, BEFORE), KEEP_READING)
+    else:
+        rows[On.CHUNK] = chunk
+        rows[On.TOKEN] = token
+    if eof is not None:
+        rows[On.EOF] = eof
+    return rows
+
+
+_COMPLETED: Row = ((G, CLOSED), _CLOSE_AS["completed"])
+
+_COMPLETION_ROWS: dict[State, dict[On, Row]] = {
+    (P, AWAIT): {
+        On.HEADERS: ((P, BEFORE), FORWARD),
+        On.ERROR: ((P, CLOSED), CLOSE),
+        On.CLIENT_GONE: ((G, AWAIT), KEEP_READING),
+        On.SHUTDOWN: ((P, CLOSED), CLOSE),
+    },
+    (P, BEFORE): {
+        On.CHUNK: ((P, BEFORE), FORWARD),
+        On.TOKEN: ((P, STREAM), FORWARD),
+        On.EOF: ((P, CLOSED), CLOSE),
+        On.ERROR: ((P, CLOSED), CLOSE),
+        On.CLIENT_GONE: ((G, BEFORE), KEEP_READING),
+        On.SHUTDOWN: ((P, CLOSED), CLOSE),
+    },
+    (P, STREAM): {
+        On.CHUNK: ((P, STREAM), FORWARD),
+        On.TOKEN: ((P, STREAM), FORWARD),
+        On.EOF: ((P, CLOSED), CLOSE),
+        On.ERROR: ((P, CLOSED), CLOSE),
+        On.CLIENT_GONE: ((G, STREAM), KEEP_READING),
+        On.SHUTDOWN: ((P, CLOSED), CLOSE),
+    },
+    (P, CLOSED): {
+        # The upstream was done before the client left: nothing to defer.
+        On.CLIENT_GONE: ((G, CLOSED), NO_OP),
+        On.DEADLINE: ((P, CLOSED), NO_OP),  # a timer that lost the race with the close
+        On.DEADLINE_EARLY: ((P, CLOSED), NO_OP),
+        On.SHUTDOWN: ((P, CLOSED), NO_OP),
+    },
+    (G, AWAIT): _gone_rows(AWAIT, ((G, AWAIT), DISCARD), ((G, AWAIT), DISCARD), None),
+    (G, BEFORE): _gone_rows(BEFORE, ((G, BEFORE), DISCARD), ((G, STREAM), DISCARD), _COMPLETED),
+    (G, STREAM): _gone_rows(STREAM, ((G, STREAM), DISCARD), ((G, STREAM), DISCARD), _COMPLETED),
+    (G, CLOSED): {
+        On.DEADLINE: ((G, CLOSED), NO_OP),
+        On.DEADLINE_EARLY: ((G, CLOSED), NO_OP),
+        On.SHUTDOWN: ((G, CLOSED), NO_OP),
+    },
+}
+# Streaming until the first token: a generated token ends the drain (decode holds the KV),
+# and a client that leaves after one was relayed leaves nothing to wait for.
+_FIRST_TOKEN_ROWS: dict[State, dict[On, Row]] = {
+    (G, BEFORE): {On.TOKEN: ((G, CLOSED), _CLOSE_AS["first_token"])},
+    (P, STREAM): {On.CLIENT_GONE: ((G, CLOSED), _CLOSE_AS["first_token"])},
+}
+
+
+def _merged(
+    base: dict[State, dict[On, Row]], over: dict[State, dict[On, Row]]
+) -> dict[State, dict[On, Row]]:
+    return {state: {**rows, **over.get(state, {})} for state, rows in base.items()}
+
+
+TRANSITIONS: Mapping[Mode, Mapping[State, Mapping[On, Row]]] = {
+    Mode.COMPLETION: _COMPLETION_ROWS,
+    Mode.FIRST_TOKEN: _merged(_COMPLETION_ROWS, _FIRST_TOKEN_ROWS),
 }
 
 
@@ -165,9 +279,12 @@ class DrainMachine:
         self.streaming = streaming
         self.until: DrainUntil = until
         self.timeout_s = timeout_s
-        self._up = _Up.AWAITING_HEADERS
+        mode = Mode.FIRST_TOKEN if streaming and until == "first_token" else Mode.COMPLETION
+        self._table = TRANSITIONS[mode]
+        self._client = Client.PRESENT
+        self._up = Up.AWAITING_HEADERS
         # What the upstream had reached when it closed (for disconnects after the close).
-        self._up_reached = _Up.AWAITING_HEADERS
+        self._up_reached = Up.AWAITING_HEADERS
         self._gone_at: float | None = None
         self._closed_at: float | None = None
         self._phase: Phase | None = None
@@ -179,17 +296,26 @@ class DrainMachine:
     # --- what the caller reads --------------------------------------------------------
 
     @property
+    def state(self) -> State:
+        return self._client, self._up
+
+    @property
     def client_gone(self) -> bool:
-        return self._gone_at is not None
+        return self._client is Client.GONE
 
     @property
     def upstream_closed(self) -> bool:
-        return self._up is _Up.CLOSED
+        return self._up is Up.CLOSED
+
+    @property
+    def token_seen(self) -> bool:
+        """A chunk with a generated token came while the upstream was open."""
+        return Up.STREAMING in (self._up, self._up_reached)
 
     @property
     def deferred(self) -> bool:
         """The client has gone and the upstream is still open: a drain is under way."""
-        return self._gone_at is not None and self._up is not _Up.CLOSED
+        return self._client is Client.GONE and self._up is not Up.CLOSED
 
     @property
     def was_deferred(self) -> bool:
@@ -222,165 +348,106 @@ class DrainMachine:
         end = self._closed_at if self._closed_at is not None else now
         return max(0.0, end - self._gone_at)
 
-    @property
-    def _ends_at_first_token(self) -> bool:
-        return self.streaming and self.until == "first_token"
-
-    # --- the transition function -------------------------------------------------------
+    # --- the transition function: classify, look up, apply ------------------------------
 
     def handle(self, event: Event) -> Decision:
+        on = self._classify(event)
+        row = self._table[self._client, self._up].get(on)
+        if row is None:
+            raise DrainProtocolError(self._why_not(on))
+        (client, up), decision = row
+        if self._client is Client.GONE and on in (On.CHUNK, On.TOKEN):
+            self.discarded_chunks += 1
+            self.discarded_token_chunks += on is On.TOKEN
+        if on is On.CLIENT_GONE:
+            self._gone_at = event.now
+            self._phase = _PHASE[self._up if self._up is not Up.CLOSED else self._up_reached]
+            self._was_deferred = up is not Up.CLOSED
+        if up is Up.CLOSED and self._up is not Up.CLOSED:
+            self._up_reached = Up.STREAMING if on is On.TOKEN else self._up
+            self._closed_at = event.now
+        if isinstance(decision, CloseUpstream) and decision.outcome is not None:
+            self._outcome = decision.outcome
+        self._client, self._up = client, up
+        return decision
+
+    def _why_not(self, on: On) -> str:
+        """What the caller got wrong, for an event the table has no row for."""
+        name = on.value.split("(")[0]
+        if (on is On.CLIENT_GONE and self.client_gone) or (
+            on is On.HEADERS and self._up in (Up.BEFORE_TOKEN, Up.STREAMING)
+        ):
+            return f"{name} received twice"
+        if self._up is Up.CLOSED:
+            return f"{name} after the upstream was closed (outcome {self._outcome or 'none'})"
+        if on in (On.DEADLINE, On.DEADLINE_EARLY):
+            return "Deadline while no drain is under way (client present)"
+        if self._up is Up.AWAITING_HEADERS:
+            return f"{name} before UpstreamHeaders" + (" (send UpstreamError)" * (on is On.EOF))
+        return f"{name} in state {self._client.value}/{self._up.value}"
+
+    def _classify(self, event: Event) -> On:
         if isinstance(event, UpstreamChunk):
-            return self._chunk(event)
-        if isinstance(event, UpstreamHeaders):
-            self._require_open(event)
-            if self._up is not _Up.AWAITING_HEADERS:
-                raise DrainProtocolError("UpstreamHeaders received twice")
-            self._up = _Up.BEFORE_TOKEN
-            return KEEP_READING if self.client_gone else FORWARD
-        if isinstance(event, UpstreamEOF):
-            self._require_open(event)
-            if self._up is _Up.AWAITING_HEADERS:
-                raise DrainProtocolError("UpstreamEOF before UpstreamHeaders (send UpstreamError)")
-            return self._close(event.now, "completed")
-        if isinstance(event, UpstreamError):
-            self._require_open(event)
-            return self._close(event.now, "upstream_error")
-        if isinstance(event, ClientGone):
-            return self._client_gone(event)
+            return On.TOKEN if event.has_token else On.CHUNK
         if isinstance(event, Deadline):
-            return self._deadline(event)
-        if isinstance(event, Shutdown):
-            if self._up is _Up.CLOSED:
-                return NO_OP
-            return self._close(event.now, "shutdown")
-        raise DrainProtocolError(f"unknown event {event!r}")
-
-    def _chunk(self, event: UpstreamChunk) -> Decision:
-        self._require_open(event)
-        if self._up is _Up.AWAITING_HEADERS:
-            raise DrainProtocolError("UpstreamChunk before UpstreamHeaders")
-        if event.has_token:
-            self._up = _Up.STREAMING
-        if not self.client_gone:
-            return FORWARD
-        self.discarded_chunks += 1
-        if event.has_token:
-            self.discarded_token_chunks += 1
-            if self._ends_at_first_token:
-                return self._close(event.now, "first_token")
-        return DISCARD
-
-    def _client_gone(self, event: ClientGone) -> Decision:
-        if self._gone_at is not None:
-            raise DrainProtocolError("ClientGone received twice")
-        self._gone_at = event.now
-        if self._up is _Up.CLOSED:
-            # The upstream was done before the client left: nothing to defer.
-            self._phase = _PHASE[self._up_reached]
-            return NO_OP
-        self._phase = _PHASE[self._up]
-        if self._up is _Up.STREAMING and self._ends_at_first_token:
-            # A token already reached the client: the transfer is over, close at once.
-            return self._close(event.now, "first_token")
-        self._was_deferred = True
-        return KEEP_READING
-
-    def _deadline(self, event: Deadline) -> Decision:
-        if self._up is _Up.CLOSED:
-            return NO_OP  # a timer that lost the race with the close
-        deadline = self.deadline
-        if deadline is None:
-            raise DrainProtocolError("Deadline while no drain is under way (client present)")
-        if event.now < deadline:
-            return KEEP_READING  # fired early: re-arm at `deadline`
-        return self._close(event.now, "timeout")
-
-    def _close(self, now: float, outcome_if_gone: Outcome) -> CloseUpstream:
-        self._up_reached = self._up
-        self._up = _Up.CLOSED
-        self._closed_at = now
-        if self._gone_at is None:
-            return CloseUpstream(None)
-        self._outcome = outcome_if_gone
-        return CloseUpstream(outcome_if_gone)
-
-    def _require_open(self, event: Event) -> None:
-        if self._up is _Up.CLOSED:
-            raise DrainProtocolError(
-                f"{type(event).__name__} after the upstream was closed "
-                f"(outcome {self._outcome or 'none'})"
+            deadline = self.deadline
+            return (
+                On.DEADLINE_EARLY if deadline is not None and event.now < deadline else On.DEADLINE
             )
+        try:
+            return _EVENT_KIND[type(event)]
+        except KeyError:
+            raise DrainProtocolError(f"unknown event {event!r}") from None
 
     def __repr__(self) -> str:
         return (
             f"<DrainMachine streaming={self.streaming} until={self.until} "
-            f"upstream={self._up.value} client={'gone' if self.client_gone else 'present'} "
+            f"upstream={self._up.value} client={self._client.value} "
             f"outcome={self._outcome}>"
         )
 
 
-# --- the table, as data --------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    """The decisions an event can bring, with the client present and once it has gone."""
-
-    event: type[Event]
-    present: tuple[str, ...]
-    gone: tuple[str, ...]
-    note: str = ""
-
-
-TRANSITIONS: tuple[Transition, ...] = (
-    Transition(UpstreamHeaders, ("Forward",), ("KeepReading",)),
-    Transition(
-        UpstreamChunk,
-        ("Forward",),
-        ("Discard", "CloseUpstream(first_token)"),
-        "first_token: a token, streaming until=first_token",
-    ),
-    Transition(UpstreamEOF, ("CloseUpstream(None)",), ("CloseUpstream(completed)",)),
-    Transition(UpstreamError, ("CloseUpstream(None)",), ("CloseUpstream(upstream_error)",)),
-    Transition(
-        ClientGone,
-        ("KeepReading", "CloseUpstream(first_token)", "NoOp"),
-        (),
-        "first_token: a token was relayed; NoOp: upstream closed",
-    ),
-    Transition(
-        Deadline,
-        ("NoOp",),
-        ("CloseUpstream(timeout)", "KeepReading", "NoOp"),
-        "KeepReading: fired early; NoOp: upstream closed",
-    ),
-    Transition(
-        Shutdown,
-        ("CloseUpstream(None)", "NoOp"),
-        ("CloseUpstream(shutdown)", "NoOp"),
-        "NoOp: upstream closed",
-    ),
-)
+_EVENT_KIND: dict[type, On] = {
+    UpstreamHeaders: On.HEADERS,
+    UpstreamEOF: On.EOF,
+    UpstreamError: On.ERROR,
+    ClientGone: On.CLIENT_GONE,
+    Shutdown: On.SHUTDOWN,
+}
 
 
 def label(decision: Decision) -> str:
-    """A decision as `TRANSITIONS` names it."""
+    """A decision as the table's rendering names it."""
     if isinstance(decision, CloseUpstream):
         return f"CloseUpstream({decision.outcome})"
     return type(decision).__name__
 
 
-def _render(rows: tuple[Transition, ...]) -> str:
-    cells = [
-        (r.event.__name__, ", ".join(r.present), ", ".join(r.gone) or "(caller bug)") for r in rows
+def _render(table: Mapping[Mode, Mapping[State, Mapping[On, Row]]]) -> str:
+    """The table as the docstring shows it: one line per state and event; the rows that
+    differ in mode first_token are marked with it."""
+    base, first = table[Mode.COMPLETION], table[Mode.FIRST_TOKEN]
+    lines = [
+        "    client   upstream          event                 -> next                   decision"
     ]
-    w0, w1 = (max(len(c[k]) for c in cells) for k in (0, 1))
-    lines = [f"    {'event':<{w0}}  {'client PRESENT':<{w1}}  client GONE (deferred)"]
-    for row, (event, present, gone) in zip(rows, cells, strict=True):
-        lines.append(f"    {event:<{w0}}  {present:<{w1}}  {gone}")
-        if row.note:
-            lines.append(f"    {'':<{w0}}    ({row.note})")
+    for (client, up), rows in base.items():
+        for on, ((c2, u2), decision) in rows.items():
+            lines.append(_line(client, up, on, c2, u2, decision, ""))
+            alt = first[client, up].get(on)
+            if alt is not None and alt != ((c2, u2), decision):
+                (c3, u3), d3 = alt
+                lines.append(_line(client, up, on, c3, u3, d3, "  [first_token]"))
+        for on, ((c2, u2), decision) in first[client, up].items():
+            if on not in rows:
+                lines.append(_line(client, up, on, c2, u2, decision, "  [first_token]"))
     return "\n".join(lines)
+
+
+def _line(client: Client, up: Up, on: On, c2: Client, u2: Up, d: Decision, tag: str) -> str:
+    return (
+        f"    {client.value:<8} {up.value:<17} {on.value:<21} -> "
+        f"{c2.value + '/' + u2.value:<22} {label(d)}{tag}"
+    )
 
 
 if __doc__:  # None under python -OO

@@ -19,6 +19,7 @@ from kvproxy import drain
 from kvproxy.drain import (
     DEFERRED_OUTCOMES,
     DISCONNECT_PHASES,
+    Client,
     ClientGone,
     CloseUpstream,
     Deadline,
@@ -30,9 +31,13 @@ from kvproxy.drain import (
     Event,
     Forward,
     KeepReading,
+    Mode,
     NoOp,
+    On,
     Outcome,
     Shutdown,
+    State,
+    Up,
     UpstreamChunk,
     UpstreamEOF,
     UpstreamError,
@@ -238,35 +243,60 @@ def test_every_deferred_state_has_a_way_out(streaming: bool, until: DrainUntil) 
     assert seen > 20
 
 
-def test_the_machine_takes_only_the_decisions_its_table_lists_and_all_of_them() -> None:
-    """`drain.TRANSITIONS` is the table the docstring shows: every decision of every walk
-    is in its row for the event and the client's state, and every cell is reached."""
-    rows = {row.event: row for row in drain.TRANSITIONS}
-    reached: set[tuple[type, bool, str]] = set()
+def test_every_row_of_the_table_is_reached_and_nothing_else_is() -> None:
+    """`drain.TRANSITIONS` drives the machine: the exhaustive walk (whose own model checks
+    every decision above) reaches every row of each mode's table, and every event the walk
+    found invalid has no row."""
+    reached: dict[Mode, set[tuple[State, On]]] = {mode: set() for mode in Mode}
     for streaming, until in CONFIGS:
+        mode = Mode.FIRST_TOKEN if streaming and until == "first_token" else Mode.COMPLETION
         for seq, decision in walk(streaming, until):
-            if decision is None:
-                continue
             before = replay(seq[:-1], streaming, until)
             event = ALPHABET[seq[-1]](before, float(len(seq) - 1))
-            row = rows[type(event)]
-            allowed = row.gone if before.client_gone else row.present
-            assert label(decision) in allowed, (seq, label(decision))
-            reached.add((type(event), before.client_gone, label(decision)))
+            on = before._classify(event)
+            row = drain.TRANSITIONS[mode][before.state].get(on)
+            if decision is None:
+                assert row is None, seq
+                continue
+            assert row is not None, seq
+            assert row[1] == decision, seq
+            reached[mode].add((before.state, on))
     # A deadline that fires early (the walk's fire on time) re-arms.
-    m = DrainMachine(True, "first_token", TIMEOUT_S)
-    run(m, UpstreamHeaders(0.0), ClientGone(1.0))
-    assert label(m.handle(Deadline(2.0))) == "KeepReading"
-    reached.add((Deadline, True, "KeepReading"))
-    listed = {
-        (row.event, gone, name)
-        for row in drain.TRANSITIONS
-        for gone, names in ((False, row.present), (True, row.gone))
-        for name in names
-    }
-    assert listed == reached
+    for mode, streaming, until in (
+        (Mode.FIRST_TOKEN, True, "first_token"),
+        (Mode.COMPLETION, True, "completion"),
+    ):
+        for prefix in (
+            [ClientGone(1.0)],
+            [UpstreamHeaders(0.0), ClientGone(1.0)],
+            [UpstreamHeaders(0.0), UpstreamChunk(0.5, True), ClientGone(1.0)],
+            [UpstreamEOF.__new__(UpstreamEOF)][:0],
+        ):
+            m = DrainMachine(streaming, until, TIMEOUT_S)
+            run(m, *prefix)
+            state = m.state
+            if m.upstream_closed or m.deadline is None:
+                continue
+            assert label(m.handle(Deadline(2.0))) == "KeepReading"
+            reached[mode].add((state, On.DEADLINE_EARLY))
+    for mode in Mode:
+        until: DrainUntil = "first_token" if mode is Mode.FIRST_TOKEN else "completion"
+        for events in ([UpstreamError(0.0)], [ClientGone(0.0), UpstreamError(0.0)]):
+            m = DrainMachine(True, until, TIMEOUT_S)
+            run(m, *events)
+            state = m.state
+            m.handle(Deadline(-1.0))  # an early timer after the close: NoOp
+            reached[mode].add((state, On.DEADLINE_EARLY))
+        listed = {(state, on) for state, rows in drain.TRANSITIONS[mode].items() for on in rows}
+        # Streaming until the first token, a token ends every drain: gone/streaming is never
+        # entered (its rows come from the shared completion table).
+        gone_streaming = (Client.GONE, Up.STREAMING)
+        unreachable = {(gone_streaming, on) for on in On} if mode is Mode.FIRST_TOKEN else set()
+        assert listed - unreachable == reached[mode] - unreachable, mode
     assert drain.__doc__ is not None
-    assert "UpstreamChunk    Forward" in drain.__doc__
+    assert "present  before_token      UpstreamChunk         -> present/before_token" in (
+        drain.__doc__
+    )
 
 
 def replay(seq: list[str], streaming: bool, until: DrainUntil) -> DrainMachine:
