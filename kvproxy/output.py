@@ -46,7 +46,7 @@ from typing import Any
 import orjson
 
 from kvproxy.sse import SSEParser
-from kvproxy.usage import prompt_tokens_of
+from kvproxy.usage import field_of, prompt_tokens_of
 
 SEP = "\x1f"  # joins path components; JSON keys rarely hold it, and a clash only merges
 RAW_PATH = SEP + "raw"
@@ -234,7 +234,7 @@ def _read_value(obj: Any, gen: list[tuple[str, str]] | None) -> Reading:
     kind, record = _shape(obj)
     by_key = kind == _RECORD_KEY
     generate = kind == _ALL_BUT_META
-    out = generate and _positive(_get(obj.get("meta_info"), "completion_tokens"))
+    out = generate and _positive(field_of(obj.get("meta_info"), "completion_tokens"))
     for k, v in obj.items():
         counts = (k == record) if by_key else (generate and k not in _NOT_GENERATE_OUTPUT)
         if type(v) is str:
@@ -373,10 +373,6 @@ def _shape(obj: dict[str, Any]) -> tuple[int, str]:
         # Responses `response.*.delta`, Messages `content_block_delta`
         return _RECORD_KEY, "delta"
     return _NOT_A_RECORD, ""
-
-
-def _get(d: Any, key: str) -> Any:
-    return d.get(key) if type(d) is dict else None
 
 
 def _positive(v: Any) -> bool:

@@ -12,9 +12,9 @@ import orjson
 def prompt_tokens_of(obj: dict[str, Any]) -> int | None:
     """The prompt size a response's `usage` reports, under either name engines use."""
     usage = obj.get("usage")
-    n = _field(usage, "prompt_tokens")
+    n = field_of(usage, "prompt_tokens")
     if n is None:
-        n = _field(usage, "input_tokens")  # /v1/responses and /v1/messages name it so
+        n = field_of(usage, "input_tokens")  # /v1/responses and /v1/messages name it so
     return n if type(n) is int else None
 
 
@@ -30,5 +30,6 @@ def prompt_tokens_in(data: bytes) -> int | None:
     return prompt_tokens_of(obj) if type(obj) is dict else None
 
 
-def _field(d: Any, key: str) -> Any:
+def field_of(d: Any, key: str) -> Any:
+    """`d[key]` when `d` is a JSON object that has it, else None (any JSON value is safe)."""
     return d.get(key) if type(d) is dict else None

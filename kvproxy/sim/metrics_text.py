@@ -11,15 +11,32 @@ touches kvproxy's own registry (``kvproxy/metrics.py``) and never shares numbers
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sized
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from kvproxy.sim.engine import EngineServer
+from kvproxy.sim.pool import PagedPool
+from kvproxy.sim.state import EngineConfig, EngineStats
+
+
+class EngineServer(Protocol):
+    """What the exposition reads of one simulated engine (kvproxy.sim.engine's server)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def pool(self) -> PagedPool: ...
+    @property
+    def rank_pool_tokens(self) -> int: ...
+    @property
+    def stats(self) -> EngineStats: ...
+    @property
+    def running(self) -> Sized: ...
+    @property
+    def queued(self) -> int: ...
 
 
 class _EngineCollector(Collector):
