@@ -1,5 +1,5 @@
 """What one upstream request costs the relay's client: aiohttp's ClientSession (what the
-bare forwarder uses) against kvproxy's own (kvproxy/upstream.py), same process, same
+bare forwarder uses) against kvproxy's own (kvproxy/upstream/pool.py), same process, same
 upstream, alternating.
 
 Run: `.venv/bin/python bench/client_cost.py [--requests 3000] [--rounds 3]`. It starts the
@@ -31,7 +31,7 @@ import procstat
 from payloads import small_chat_body
 from servers import free_port
 
-from kvproxy.upstream import UpstreamPool
+from kvproxy.upstream.pool import UpstreamPool
 
 WARMUP = 200
 
@@ -91,7 +91,7 @@ def main() -> int:
                 a = uvloop.run(with_aiohttp(url, body, args.requests))
                 k = uvloop.run(with_kvproxy(url, body, args.requests))
                 print(f"round {rnd + 1}: aiohttp ClientSession {a:.1f} us/request, "
-                      f"kvproxy.upstream {k:.1f} us/request ({a / k:.1f}x)")  # fmt: skip
+                      f"kvproxy.upstream.pool {k:.1f} us/request ({a / k:.1f}x)")  # fmt: skip
         finally:
             up.stop()
     return 0

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import orjson
 
-from kvproxy.config import Settings
-from kvproxy.prompt import parse_request
+from kvproxy.config.settings import Settings
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import TokenCount, TokenCounter, build_counter
 
 # The real tokenizers the tests use (tests/tokenizer_files.py: test support, not the package).

@@ -7,7 +7,7 @@ older kvproxy, run it again with that tree first on PYTHONPATH, e.g.
 
     git archive <commit> kvproxy | tar -x -C /tmp/old && PYTHONPATH=/tmp/old python ...
 
-It uses `kvproxy.guard.StreamGuard` when the tree has it, else the pre-#15 pipeline
+It uses `kvproxy.response.guard.StreamGuard` when the tree has it, else the pre-#15 pipeline
 (`SSEParser.feed` -> `StreamTexts.feed` -> `CanaryScanner.feed_text`, as the relay's old
 `_inspect` ran it). Each workload is a stream of whole events, one per chunk (how engines
 write them); the figure is the best of `--repeat` runs of CPU microseconds per chunk
@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from payloads import sse_event
 
-from kvproxy.canary import CanaryRules, CanaryScanner
-from kvproxy.config import CanaryTenant
-from kvproxy.drain import DrainMachine, UpstreamChunk, UpstreamHeaders
+from kvproxy.config.settings import CanaryTenant
+from kvproxy.policy.drain import DrainMachine, UpstreamChunk, UpstreamHeaders
+from kvproxy.response.tripwire import CanaryRules, CanaryScanner
 
 TENANTS = ("acme", "globex")  # as bench/targets.py configures the full-policy kvproxy
-NEW = importlib.util.find_spec("kvproxy.guard") is not None
+NEW = importlib.util.find_spec("kvproxy.response.guard") is not None
 
 
 def _ev(obj: Any) -> bytes:
@@ -96,7 +96,7 @@ def _rules() -> CanaryRules:
 
 
 def _new_pipeline(scanner: CanaryScanner | None) -> Callable[[bytes], bool]:
-    from kvproxy.guard import StreamGuard
+    from kvproxy.response.guard import StreamGuard
 
     guard = StreamGuard(scanner)
 
@@ -108,7 +108,7 @@ def _new_pipeline(scanner: CanaryScanner | None) -> Callable[[bytes], bool]:
 
 
 def _old_pipeline(scanner: CanaryScanner | None) -> Callable[[bytes], bool]:
-    from kvproxy.sse import SSEParser, StreamTexts  # type: ignore[attr-defined]
+    from kvproxy.response.sse import SSEParser, StreamTexts  # type: ignore[attr-defined]
 
     parser, texts = SSEParser(), StreamTexts()
     seen = [False]

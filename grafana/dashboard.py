@@ -3,7 +3,7 @@
 Owns: what an on-call engineer sees, in order (at a glance, capacity, rejections,
 disconnects, isolation, proxy health), and the Grafana JSON for it (schema 39, Grafana 10.4+
 / 11, a `datasource` variable and `job` / `instance` filters). Must never name a metric that
-`kvproxy/metrics.py` does not define: tests compare every query against the registry and a
+`kvproxy/observe/metrics.py` does not define: tests compare every query against the registry and a
 live scrape.
 
 Counters that exist only after a fault (probe errors, canary violations, upstream errors)

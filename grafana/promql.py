@@ -37,7 +37,7 @@ _SELECTOR = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*\{([^}]*)\}")
 _MATCHER_LABEL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
 
 
-# Families with a `model` label (kvproxy.metrics: limits, decisions, counts); the
+# Families with a `model` label (kvproxy.observe.metrics: limits, decisions, counts); the
 # dashboard's `$model` variable filters only these, so a chosen model never hides the
 # replica-wide series (event loop, drains) that have no model.
 MODEL_LABELLED = frozenset({

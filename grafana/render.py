@@ -122,7 +122,7 @@ def _variables() -> list[dict[str, Any]]:
             "instance",
             'label_values(kvproxy_admission_limit_tokens{job=~"$job"}, instance)',
         ),
-        # Configured model names (kvproxy.models); "default" for a single-model proxy.
+        # Configured model names (kvproxy.serve.models); "default" for a single-model proxy.
         label_values(
             "model",
             "model",

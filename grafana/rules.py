@@ -8,7 +8,7 @@ Annotations carry sizes, engines and tenants, never prompt text (I8).
 
 Expressions aggregate `by (job, instance)` so one alert names one kvproxy replica; engine,
 tenant and model labels are kept where they say what to fix: capacity, pool and rejection
-alerts are per model (kvproxy.models), so one model's outage or limit is named as such.
+alerts are per model (kvproxy.serve.models), so one model's outage or limit is named as such.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 
 from kvproxy import __version__
-from kvproxy.config import ConfigError, Settings, load_settings
-from kvproxy.logs import setup_logging
+from kvproxy.config.settings import ConfigError, Settings, load_settings
+from kvproxy.observe.logs import setup_logging
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
 
     async def main() -> int:
-        from kvproxy.app import KvproxyServer
+        from kvproxy.serve.app import KvproxyServer
 
         server = KvproxyServer(settings)
         await server.start()
@@ -95,7 +95,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     opts = SimOptions(host="127.0.0.1", port=args.sim_port, mode=args.mode)
 
     async def main() -> int:
-        from kvproxy.app import KvproxyServer
+        from kvproxy.serve.app import KvproxyServer
 
         sim = SimCluster(opts)
         await sim.start()
@@ -172,13 +172,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from kvproxy.gate_cli import run_check
+    from kvproxy.tools.check.cli import run_check
 
     return run_check(args)
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
-    from kvproxy.isolation_cli import run_canary
+    from kvproxy.tools.isolation.cli import run_canary
 
     return run_canary(args)
 
@@ -196,13 +196,13 @@ def _sim_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(p: argparse.ArgumentParser) -> None:
-    from kvproxy.gate_cli import add_arguments
+    from kvproxy.tools.check.cli import add_arguments
 
     add_arguments(p)
 
 
 def _canary_args(p: argparse.ArgumentParser) -> None:
-    from kvproxy.isolation_cli import add_arguments
+    from kvproxy.tools.isolation.cli import add_arguments
 
     add_arguments(p)
 

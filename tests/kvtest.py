@@ -9,9 +9,9 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.app import KvproxyServer
-from kvproxy.config import load_settings
-from kvproxy.metrics import Metrics
+from kvproxy.config.settings import load_settings
+from kvproxy.observe.metrics import Metrics
+from kvproxy.serve.app import KvproxyServer
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy import admission
-from kvproxy.admission import Admit, Policy, Reject, precheck
-from kvproxy.counts import TokenCount
+from kvproxy.policy import admission
+from kvproxy.policy.admission import Admit, Policy, Reject, precheck
+from kvproxy.policy.counts import TokenCount
 
 
 @dataclass(frozen=True)

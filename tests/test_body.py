@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtest import FakeUpstream, canary_settings, running_proxy, static_engines
 
-from kvproxy import body
-from kvproxy.body import read_arrived, read_raw
-from kvproxy.errors import KvproxyError
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.serve import body
+from kvproxy.serve.body import read_arrived, read_raw
 
 PATHS = {
     "chat": "/v1/chat/completions",

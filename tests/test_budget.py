@@ -1,4 +1,4 @@
-"""In-flight budget (kvproxy/budget.py): FIFO, timeouts, cancellation, no leaks.
+"""In-flight budget (kvproxy/budget/local.py): FIFO, timeouts, cancellation, no leaks.
 
 Timeouts are tiny and the assertions are on outcomes and counters, never on durations.
 """
@@ -15,9 +15,9 @@ from kvtest import FakeUpstream, running_proxy, wait_until
 from prometheus_client import CollectorRegistry
 
 from grafana.promql import MODEL_LABELLED
-from kvproxy.budget import InflightBudget, Lease, charge_tokens
-from kvproxy.errors import KvproxyError
-from kvproxy.metrics import Metrics
+from kvproxy.budget.local import InflightBudget, Lease, charge_tokens
+from kvproxy.observe.metrics import Metrics
+from kvproxy.policy.errors import KvproxyError
 
 LONG = 60.0  # a queue timeout no test reaches: waits end by grant or cancellation
 

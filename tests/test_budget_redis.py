@@ -22,12 +22,12 @@ import pytest
 import redis.asyncio as aioredis
 from redis_server import RedisServer, needs_redis, redis_server
 
-from kvproxy.budget_redis import RedisBudget
-from kvproxy.budget_scripts import BudgetKeys
-from kvproxy.config import ConfigError, load_settings
-from kvproxy.errors import KvproxyError
-from kvproxy.metrics import Metrics
-from kvproxy.redis_client import RedisOptions
+from kvproxy.budget.cluster import RedisBudget
+from kvproxy.budget.connection import RedisOptions
+from kvproxy.budget.scripts import BudgetKeys
+from kvproxy.config.settings import ConfigError, load_settings
+from kvproxy.observe.metrics import Metrics
+from kvproxy.policy.errors import KvproxyError
 
 pytestmark = needs_redis
 

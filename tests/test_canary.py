@@ -1,4 +1,4 @@
-"""Canary tripwire (kvproxy/canary.py): split markers, many tenants, own markers never
+"""Canary tripwire (kvproxy/response/tripwire.py): split markers, many tenants, own markers never
 trigger, no false positives on random text, bounded per-chunk work."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproxy.canary import MAX_MARKER_CHARS, CanaryHit, CanaryRules, CanaryScanner
-from kvproxy.config import CanaryTenant, ConfigError, Settings
-from kvproxy.guard import StreamGuard
+from kvproxy.config.settings import CanaryTenant, ConfigError, Settings
+from kvproxy.response.guard import StreamGuard
+from kvproxy.response.tripwire import MAX_MARKER_CHARS, CanaryHit, CanaryRules, CanaryScanner
 
 ACME_LIT = "ACME-CANARY-7f3a9c"
 ACME_RE = "KVCANARY-acme-[0-9a-f]{16}"

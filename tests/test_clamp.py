@@ -1,4 +1,4 @@
-"""`decode_policy: clamp` (kvproxy/clamp.py): every body shape is clamped or refused with a
+"""`decode_policy: clamp` (kvproxy/policy/clamp.py): every body shape is clamped or refused with a
 400 naming the field, never a 500; what is forwarded asks for no more than fits decode.
 
 Ground truth: the body the fake upstream received, re-parsed by kvproxy's own parser and read
@@ -16,7 +16,7 @@ from aiohttp import web
 from kvtest import FakeUpstream, running_proxy, static_engines
 from tokenizer_files import real_tokenizer_dir
 
-from kvproxy.prompt import parse_request
+from kvproxy.prompt.parse import parse_request
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
 BIG = 50_000  # asks for more than the 3,000-token decode pool can hold

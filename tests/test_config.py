@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvproxy.cli import _settings_from, build_parser
-from kvproxy.config import ConfigError, load_settings
-from kvproxy.gate_cli import options_from
+from kvproxy.config.settings import ConfigError, load_settings
+from kvproxy.tools.check.cli import options_from
 
 
 def write_config(path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Deferred-cancellation state machine (kvproxy/drain.py).
+"""Deferred-cancellation state machine (kvproxy/policy/drain.py).
 
 The core test walks every event order up to a depth, for every configuration, and checks
 the invariants of I5 at each step; the named scenarios after it pin the cases the issue
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
-from kvproxy import drain
-from kvproxy.drain import (
+from kvproxy.policy import drain
+from kvproxy.policy.drain import (
     DEFERRED_OUTCOMES,
     DISCONNECT_PHASES,
     Client,
@@ -44,7 +44,7 @@ from kvproxy.drain import (
     UpstreamHeaders,
     label,
 )
-from kvproxy.guard import StreamGuard
+from kvproxy.response.guard import StreamGuard
 
 TIMEOUT_S = 100.0
 CONFIGS = [

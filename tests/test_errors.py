@@ -1,11 +1,11 @@
-"""Error shapes (kvproxy/errors.py): one decision of the shape, from the route."""
+"""Error shapes (kvproxy/policy/errors.py): one decision of the shape, from the route."""
 
 from __future__ import annotations
 
 import orjson
 
-from kvproxy import errors
-from kvproxy.replies import error_response
+from kvproxy.policy import errors
+from kvproxy.serve.replies import error_response
 
 
 def test_the_route_decides_the_shape_and_openai_is_the_default() -> None:

@@ -16,12 +16,12 @@ import pytest
 from aiohttp import web
 from kvtest import FakeUpstream, canary_settings, running_proxy, sim_and_proxy, wait_until
 
-from kvproxy.app import KvproxyServer
-from kvproxy.config import EngineSpec
-from kvproxy.drain import DEFERRED_OUTCOMES
-from kvproxy.gate import SCHEMA_PATH, GateOptions, markdown, run_gate, write_record
-from kvproxy.gate_deferred import deferred_verdict
+from kvproxy.config.settings import EngineSpec
+from kvproxy.policy.drain import DEFERRED_OUTCOMES
+from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions
+from kvproxy.tools.check.deferred import deferred_verdict
+from kvproxy.tools.check.gate import SCHEMA_PATH, GateOptions, markdown, run_gate, write_record
 
 # The vulnerable simulator behind kvproxy: the operator accepts the engine's advisory
 # because the proxy stops what it describes (the posture gate itself: tests/posture/).
@@ -371,9 +371,9 @@ async def test_the_gate_reports_the_limits_the_monitor_publishes(tmp_path: Path)
     15-token margin, enforces 5,300)."""
     from kvproxy.capacity import CapacityMonitor
     from kvproxy.cli import build_parser
-    from kvproxy.config import load_settings
-    from kvproxy.gate_cli import options_from
-    from kvproxy.metrics import SINGLE_MODEL, Metrics
+    from kvproxy.config.settings import load_settings
+    from kvproxy.observe.metrics import SINGLE_MODEL, Metrics
+    from kvproxy.tools.check.cli import options_from
 
     async with SimCluster(sim_options(context_length=8192, prefill_pool_tokens=5322)) as sim:
         config = tmp_path / "kvproxy.yaml"

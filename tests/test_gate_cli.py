@@ -1,4 +1,4 @@
-"""`kvproxy check`'s command line (kvproxy.gate_cli): flags over the config file, through
+"""`kvproxy check`'s command line (kvproxy.tools.check.cli): flags over the config file, through
 the proxy's own loader."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvproxy.gate_cli import options_from
+from kvproxy.tools.check.cli import options_from
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Hop-by-hop filtering (kvproxy/headers.py): the fast copy-and-delete holds equal to the
+"""Hop-by-hop filtering (kvproxy/serve/headers.py): the fast copy-and-delete holds equal to the
 plain definition (every header but hop-by-hop ones and those Connection names, in order)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from kvproxy.headers import HOP_BY_HOP, filter_headers
+from kvproxy.serve.headers import HOP_BY_HOP, filter_headers
 
 NAMES = ["Connection", "connection", "Keep-Alive", "TE", "Host", "Content-Length",
          "Transfer-Encoding", "X-Request-ID", "x-request-id", "Authorization", "X-Drop",

@@ -1,4 +1,4 @@
-"""The response inspector without sockets (kvproxy/inspector.py): bytes in; what may be
+"""The response inspector without sockets (kvproxy/response/inspector.py): bytes in; what may be
 forwarded, output seen, hits, withhold/refuse and `usage` out. The relay through a real
 app is tests/test_relay.py."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from kvproxy import inspector, sse
-from kvproxy.canary import CanaryRules, CanaryScanner
-from kvproxy.config import CanaryTenant
-from kvproxy.inspector import ResponseInspector, Step
+from kvproxy.config.settings import CanaryTenant
+from kvproxy.response import inspector, sse
+from kvproxy.response.inspector import ResponseInspector, Step
+from kvproxy.response.tripwire import CanaryRules, CanaryScanner
 
 MARKER = "KVCANARY-acme-0123456789abcdef"
 

@@ -1,4 +1,4 @@
-"""`kvproxy canary`'s command line (kvproxy.isolation_cli): what the flags become, and the
+"""`kvproxy canary`'s command line (kvproxy.tools.isolation.cli): what the flags become, and the
 refusals that name the flag. In-process, so coverage sees it (the end-to-end runs start
 `kvproxy canary` as a subprocess: tests/test_isolation.py)."""
 
@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from kvproxy.cli import build_parser
-from kvproxy.isolation_cli import options_from
+from kvproxy.tools.isolation.cli import options_from
 
 
 def parse(*flags: str) -> argparse.Namespace:

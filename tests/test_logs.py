@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from kvtest import FakeUpstream, running_proxy
 
-from kvproxy.logs import JsonFormatter
+from kvproxy.observe.logs import JsonFormatter
 
 SECRET_PROMPT = "tenant-secret-prompt-4f1c"
 SECRET_REPLY = "tenant-secret-completion-9a2e"
@@ -103,7 +103,7 @@ async def test_engine_counting_more_than_the_proxy_is_flagged(
 
 
 def test_the_direct_access_line_is_the_line_logging_would_write() -> None:
-    from kvproxy.logs import AccessRecord, JsonStreamHandler, _only_json_handler
+    from kvproxy.observe.logs import AccessRecord, JsonStreamHandler, _only_json_handler
 
     buf = io.StringIO()
     handler = JsonStreamHandler(buf)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from kvproxy import metrics
-from kvproxy.metrics import Metrics
+from kvproxy.observe import metrics
+from kvproxy.observe.metrics import Metrics
 
 
 def test_labels_returns_the_registered_child_every_time() -> None:

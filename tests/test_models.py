@@ -1,4 +1,4 @@
-"""The model table (kvproxy.models): resolution by name and alias, the default model, the
+"""The model table (kvproxy.serve.models): resolution by name and alias, the default model, the
 single-model form matching every name, and readiness with several models. No sockets."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from kvproxy.errors import KvproxyError
-from kvproxy.models import ModelServices, ModelTable
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.serve.models import ModelServices, ModelTable
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The `models` setting: entries, the single-model form, and the config errors that keep two
-entries from answering to one name (kvproxy.models_config)."""
+entries from answering to one name (kvproxy.config.models)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvproxy.config import ConfigError, load_settings
-from kvproxy.models_config import model_settings
+from kvproxy.config.models import model_settings
+from kvproxy.config.settings import ConfigError, load_settings
 
 
 def engines(port: int) -> list[dict[str, Any]]:

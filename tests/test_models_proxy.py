@@ -17,7 +17,7 @@ import openai
 import pytest
 from kvtest import running_proxy, wait_until
 
-from kvproxy.app import KvproxyServer
+from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
 COMPLETIONS = "/v1/completions"

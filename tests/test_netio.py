@@ -1,4 +1,4 @@
-"""The network exception seam (kvproxy/netio.py): every transport exception of an
+"""The network exception seam (kvproxy/upstream/boundary.py): every transport exception of an
 outgoing leg leaves as one UpstreamFailure per kind, with one status, code and label;
 everything else passes through untouched."""
 
@@ -10,8 +10,8 @@ import socket
 import aiohttp
 import pytest
 
-from kvproxy import errors
-from kvproxy.netio import NETWORK_EXCEPTIONS, classify, failure_from, network_boundary
+from kvproxy.policy import errors
+from kvproxy.upstream.boundary import NETWORK_EXCEPTIONS, classify, failure_from, network_boundary
 
 
 def _key() -> aiohttp.client_reqrep.ConnectionKey:

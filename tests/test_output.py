@@ -1,4 +1,4 @@
-"""What a client receives and what of it is generated output (kvproxy/output.py): the one
+"""What a client receives and what of it is generated output (kvproxy/response/payload.py): the one
 definition the tripwire and the drain's first-token detection share (#15.1, #24.4)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproxy import output, usage
-from kvproxy.output import (
+from kvproxy.response import payload as output
+from kvproxy.response import usage
+from kvproxy.response.payload import (
     KEYS_PATH,
     SEP,
     body_texts,

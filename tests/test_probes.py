@@ -1,4 +1,4 @@
-"""kvproxy.probes: the probe client shared by the gate and the isolation harness. Prompts of
+"""kvproxy.tools.client: the probe client shared by the gate and the isolation harness. Prompts of
 an exact engine length, the model a target serves, what counts as a refusal."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from kvtest import serving
 
-from kvproxy.probes import (
+from kvproxy.tools.client import (
     EngineTokenizer,
     ModelUnknown,
     ProbeClient,

@@ -7,8 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import MAX_OUTPUT_TOKENS, parse_request, route_for_path
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import MAX_OUTPUT_TOKENS, parse_request, route_for_path
 
 
 def parse(route: str, body: Any) -> Any:

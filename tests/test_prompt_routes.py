@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy.clamp import clamp_output
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import PromptShape, parse_request
-from kvproxy.prompt_only import RERANK_OVERHEAD_TOKENS
+from kvproxy.policy.clamp import clamp_output
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import PromptShape, parse_request
+from kvproxy.prompt.prompt_only import RERANK_OVERHEAD_TOKENS
 
 
 def parse(route: Any, body: Any) -> PromptShape:

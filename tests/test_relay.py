@@ -1,4 +1,4 @@
-"""The relay through the real app with fake upstreams (kvproxy/relay.py): the tripwire on
+"""The relay through the real app with fake upstreams (kvproxy/serve/relay.py): the tripwire on
 fields beyond content (#15.1), the drain and TTFT on a reasoning-only stream (#24.4), and
 the error shape of every upstream failure on `/generate` (#15.7)."""
 
@@ -16,7 +16,7 @@ from aiohttp import web
 from kvtest import FakeUpstream, canary_settings, running_proxy, wait_until
 from ports import free_port
 
-from kvproxy import inspector, sse
+from kvproxy.response import inspector, sse
 
 CHAT = "/v1/chat/completions"
 GENERATE = "/generate"

@@ -1,12 +1,12 @@
-"""Answering a client (kvproxy/replies.py): an outcome becomes the same response whoever
+"""Answering a client (kvproxy/serve/replies.py): an outcome becomes the same response whoever
 answers it, with its own headers over the caller's, and `Connection: close` really closes."""
 
 from __future__ import annotations
 
 import orjson
 
-from kvproxy import errors
-from kvproxy.replies import client_gone_response, error_response
+from kvproxy.policy import errors
+from kvproxy.serve.replies import client_gone_response, error_response
 
 
 def test_an_outcome_keeps_its_status_body_and_headers_over_the_callers() -> None:

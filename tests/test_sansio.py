@@ -13,22 +13,22 @@ import pytest
 FORBIDDEN = ("aiohttp", "asyncio", "prometheus_client", "uvloop", "redis")
 
 SANS_IO = (
-    "kvproxy.drain",
-    "kvproxy.admission",
-    "kvproxy.counts",
-    "kvproxy.prompt",
-    "kvproxy.prompt_shape",
-    "kvproxy.prompt_chat",
-    "kvproxy.prompt_routes",
-    "kvproxy.prompt_only",
-    "kvproxy.errors",
-    "kvproxy.inspector",
-    "kvproxy.guard",
-    "kvproxy.canary",
-    "kvproxy.output",
-    "kvproxy.sse",
-    "kvproxy.usage",
-    "kvproxy.origin",
+    "kvproxy.policy.drain",
+    "kvproxy.policy.admission",
+    "kvproxy.policy.counts",
+    "kvproxy.prompt.parse",
+    "kvproxy.prompt.shape",
+    "kvproxy.prompt.chat",
+    "kvproxy.prompt.converted",
+    "kvproxy.prompt.prompt_only",
+    "kvproxy.policy.errors",
+    "kvproxy.response.inspector",
+    "kvproxy.response.guard",
+    "kvproxy.response.tripwire",
+    "kvproxy.response.payload",
+    "kvproxy.response.sse",
+    "kvproxy.response.usage",
+    "kvproxy.upstream.origin",
 )
 
 _PROBE = """
@@ -55,4 +55,4 @@ def test_policy_module_imports_no_io(module: str) -> None:
 
 def test_the_probe_would_see_an_io_import() -> None:
     # The check is not vacuous: a module that does use the network stack is caught.
-    assert "aiohttp" in _loaded_by("kvproxy.relay")
+    assert "aiohttp" in _loaded_by("kvproxy.serve.relay")

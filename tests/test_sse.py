@@ -1,4 +1,4 @@
-"""SSE framing and generated-text extraction (kvproxy/sse.py)."""
+"""SSE framing and generated-text extraction (kvproxy/response/sse.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproxy.sse import SSEError, SSEParser
+from kvproxy.response.sse import SSEError, SSEParser
 
 
 def chat_chunk(content: str | None = None, index: int = 0, **delta: object) -> bytes:

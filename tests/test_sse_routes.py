@@ -7,7 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from kvproxy.output import has_token, read_body, read_payload
+from kvproxy.response.payload import has_token, read_body, read_payload
 
 
 @pytest.mark.parametrize(

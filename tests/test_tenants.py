@@ -1,4 +1,4 @@
-"""Tenant identity (kvproxy/tenants.py): header trust, token map, hashing, safe labels."""
+"""Tenant identity (kvproxy/policy/tenants.py): header trust, token map, hashing, safe labels."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy.config import Settings
-from kvproxy.tenants import (
+from kvproxy.config.settings import Settings
+from kvproxy.policy.tenants import (
     MAX_TENANT_LEN,
     TenantResolver,
     sanitize_tenant,

@@ -1,4 +1,4 @@
-"""The relay's upstream client (kvproxy/upstream.py) against scripted loopback servers:
+"""The relay's upstream client (kvproxy/upstream/pool.py) against scripted loopback servers:
 framing (length, chunked, close-delimited, HEAD, 1xx, 204), keep-alive reuse and its
 limits, every failure the network boundary classifies, timeouts, large bodies both ways,
 and what must never be sent."""
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import pytest
 from multidict import CIMultiDict
 
-from kvproxy.config import ConfigError, load_settings
-from kvproxy.netio import classify
-from kvproxy.origin import parse_origin
-from kvproxy.upstream import (
+from kvproxy.config.settings import ConfigError, load_settings
+from kvproxy.upstream.boundary import classify
+from kvproxy.upstream.origin import parse_origin
+from kvproxy.upstream.pool import (
     READ_HIGH_WATER,
     UpstreamConnectError,
     UpstreamPool,

@@ -12,7 +12,7 @@ import weakref
 
 from kvtest import running_proxy
 
-from kvproxy.watch import release_heap, settle_heap
+from kvproxy.serve.watch import release_heap, settle_heap
 
 
 class _Node:

@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable
 from yarl import URL
 
 from kvproxy.capacity.measurement import ProbeError
-from kvproxy.config import EngineSpec
-from kvproxy.errors import UpstreamFailure
-from kvproxy.netio import network_boundary
+from kvproxy.config.settings import EngineSpec
+from kvproxy.policy.errors import UpstreamFailure
+from kvproxy.upstream.boundary import network_boundary
 
 # (host, port) -> addresses. Injected in tests; the default asks the system resolver.
 Resolver = Callable[[str, int], Awaitable[list[str]]]

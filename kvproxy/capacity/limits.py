@@ -379,7 +379,7 @@ def derive_limits(
 
 
 class LimitSettings(Protocol):
-    """The settings the limits depend on (kvproxy.config.Settings has them; so do the
+    """The settings the limits depend on (kvproxy.config.settings.Settings has them; so do the
     release gate's options, copied from the same settings)."""
 
     @property

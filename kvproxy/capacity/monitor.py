@@ -35,8 +35,8 @@ from kvproxy.capacity.discovery import Resolver, expand_engine, system_resolver
 from kvproxy.capacity.limits import Limits, limits_for
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError, Role
 from kvproxy.capacity.probes import probe_engine
-from kvproxy.config import EngineSpec, Settings
-from kvproxy.metrics import SINGLE_MODEL, Metrics
+from kvproxy.config.settings import EngineSpec, Settings
+from kvproxy.observe.metrics import SINGLE_MODEL, Metrics
 from kvproxy.posture.tracker import PostureTracker
 
 log = logging.getLogger("kvproxy.capacity")
@@ -80,7 +80,7 @@ class CapacityMonitor:
         model: str = SINGLE_MODEL,
     ) -> None:
         self._settings = settings
-        # The `model` label of the limit gauges (kvproxy.models: one monitor per model).
+        # The `model` label of the limit gauges (kvproxy.serve.models: one monitor per model).
         self._model = model
         self._metrics = metrics
         self._session = session

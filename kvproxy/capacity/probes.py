@@ -19,9 +19,9 @@ from kvproxy.capacity.measurement import EngineMeasurement, ProbeError
 from kvproxy.capacity.reports import probe_error_from_exception
 from kvproxy.capacity.sglang import probe_sglang
 from kvproxy.capacity.vllm import probe_vllm
-from kvproxy.config import EngineSpec
-from kvproxy.errors import UpstreamFailure
-from kvproxy.netio import network_boundary
+from kvproxy.config.settings import EngineSpec
+from kvproxy.policy.errors import UpstreamFailure
+from kvproxy.upstream.boundary import network_boundary
 
 
 def measure_static(spec: EngineSpec, *, measured_at: float | None = None) -> EngineMeasurement:

@@ -1,7 +1,7 @@
 """Reading engine reports: fetching JSON and Prometheus text, and typed field reads.
 
 Owns the only translation of transport failures into `ProbeError` reasons (built on
-`kvproxy.netio.network_boundary`, so the proxy and the probes agree on what a
+`kvproxy.upstream.boundary.network_boundary`, so the proxy and the probes agree on what a
 timeout or a reset is), the response size cap, a small Prometheus text parser that
 extracts only the series a probe asks for, and the strictness every probe shares: a
 token count is a JSON integer >= 1 (not a bool, float or string), `null` means "not
@@ -23,8 +23,8 @@ import aiohttp
 import orjson
 
 from kvproxy.capacity.measurement import ProbeError
-from kvproxy.errors import NetworkKind, UpstreamFailure
-from kvproxy.netio import failure_from, network_boundary
+from kvproxy.policy.errors import NetworkKind, UpstreamFailure
+from kvproxy.upstream.boundary import failure_from, network_boundary
 
 # /server_info is ~40-160 KB; vLLM /metrics with histograms a few hundred KB. 16 MiB is
 # far above any honest answer and still bounds memory against a misbehaving endpoint.

@@ -46,7 +46,7 @@ from kvproxy.capacity.reports import (
     token_field,
 )
 from kvproxy.capacity.sglang_args import read_server_args
-from kvproxy.config import EngineSpec
+from kvproxy.config.settings import EngineSpec
 from kvproxy.posture.engine import read_posture
 
 GAUGE_POOL = "sglang:max_total_num_tokens"

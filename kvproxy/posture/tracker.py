@@ -15,8 +15,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from kvproxy.config import Settings
-from kvproxy.metrics import Metrics
+from kvproxy.config.settings import Settings
+from kvproxy.observe.metrics import Metrics
 from kvproxy.posture.advisories import load_table
 from kvproxy.posture.engine import FAILURE_COUNTERS, EnginePosture
 from kvproxy.posture.findings import EngineView, Finding, evaluate, gauge_series, posture_json

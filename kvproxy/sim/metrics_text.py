@@ -6,7 +6,7 @@ for the SGLang flavor, ``vllm:*`` names (``vllm:cache_config_info`` with ``block
 ``num_gpu_blocks``, ``kv_cache_size_tokens``) for the vLLM flavor.
 
 Each server gets a private registry built per scrape from its live state, so the sim never
-touches kvproxy's own registry (``kvproxy/metrics.py``) and never shares numbers with it.
+touches kvproxy's own registry (``kvproxy/observe/metrics.py``) and never shares numbers with it.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvproxy.config import ConfigError, Settings
-from kvproxy.counts import CountMethod, TokenCount
+from kvproxy.config.settings import ConfigError, Settings
+from kvproxy.policy.counts import CountMethod, TokenCount
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
 from kvproxy.tokens.counter import TokenCounter

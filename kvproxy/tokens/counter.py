@@ -40,10 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvproxy import errors
-from kvproxy.counts import CountMethod, TokenCount
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import CHAT_ROUTES, PromptShape, SequencePrompt
+from kvproxy.policy import errors
+from kvproxy.policy.counts import CountMethod, TokenCount
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import CHAT_ROUTES, PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes

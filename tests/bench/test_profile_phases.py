@@ -32,7 +32,7 @@ def test_summarise_counts_self_and_kvproxy_inclusive_shares() -> None:
     inclusive = dict(got["inclusive"])
     # Lines of one function add up; only kvproxy's own functions are listed inclusive.
     assert inclusive == {
-        "kvproxy/proxy.py:handle": 90.0,
+        "kvproxy/serve/handler.py:handle": 90.0,
         "kvproxy/tokens/templates.py:render": 60.0,
     }
 

@@ -19,10 +19,10 @@ import pytest
 from capacity_fakes import EngineFactory
 from ports import free_port
 
-from kvproxy import errors
 from kvproxy.capacity import CapacityMonitor
-from kvproxy.config import Settings
-from kvproxy.metrics import Metrics
+from kvproxy.config.settings import Settings
+from kvproxy.observe.metrics import Metrics
+from kvproxy.policy import errors
 
 
 class FakeClock:

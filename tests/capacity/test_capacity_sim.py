@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from kvproxy.capacity import CapacityMonitor
-from kvproxy.config import Settings
-from kvproxy.metrics import Metrics
+from kvproxy.config.settings import Settings
+from kvproxy.observe.metrics import Metrics
 
 launcher = pytest.importorskip("kvproxy.sim.launcher")
 

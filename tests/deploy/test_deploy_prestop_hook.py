@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 from prometheus_client import generate_latest
 
-from kvproxy.metrics import Metrics
+from kvproxy.observe.metrics import Metrics
 
 HOOK = Path(__file__).resolve().parents[2] / "deploy/base/hooks/wait_for_kvproxy_drain.py"
 
@@ -84,7 +84,7 @@ def run(fetch: Callable[[str, float], str], t: FakeTime, **kwargs: float) -> str
 
 
 def test_reads_the_gauge_kvproxy_exports() -> None:
-    # The metric name is a contract with kvproxy/metrics.py, checked on its real output.
+    # The metric name is a contract with kvproxy/observe/metrics.py, checked on its real output.
     assert hook.INFLIGHT_METRIC == "kvproxy_inflight_requests"
     assert hook.parse_inflight(exposition(3)) == 3
     assert hook.parse_inflight(exposition(0)) == 0

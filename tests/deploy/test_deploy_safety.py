@@ -3,7 +3,7 @@
 Each property is a `problems_*` function returning what is wrong; the shipped overlays must
 have none, and a deliberately broken copy must be caught, so the checks cannot pass
 vacuously. Numbers come from the same ConfigMap the Pod mounts, and kvproxy's own defaults
-come from kvproxy.config.Settings.
+come from kvproxy.config.settings.Settings.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from deploytest import (
     resolve_port,
 )
 
-from kvproxy.config import Settings, load_settings, split_host_port
+from kvproxy.config.settings import Settings, load_settings, split_host_port
 
 OVERLAYS = overlays()
 

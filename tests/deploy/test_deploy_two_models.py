@@ -9,8 +9,8 @@ import pytest
 from deploytest import mounted_config, one, overlays, pod_spec, render_with_components
 from test_deploy_render import validate
 
-from kvproxy.config import load_settings
-from kvproxy.models_config import model_settings
+from kvproxy.config.models import model_settings
+from kvproxy.config.settings import load_settings
 
 
 @pytest.mark.parametrize("overlay", overlays())

@@ -26,10 +26,10 @@ from kvtest import running_proxy
 from prometheus_client.parser import text_string_to_metric_families
 
 from grafana.promql import MODEL_LABELLED
-from kvproxy.app import KvproxyServer
-from kvproxy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
-from kvproxy.metrics import SINGLE_MODEL
-from kvproxy.prompt import Route
+from kvproxy.observe.metrics import SINGLE_MODEL
+from kvproxy.policy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
+from kvproxy.prompt.parse import Route
+from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim import SimCluster, SimOptions
 
 CHAT = "/v1/chat/completions"
@@ -265,7 +265,7 @@ async def proxy_for(
 
 
 # Families that carry a `model` label (the dashboard's list, grafana.promql): these stacks
-# run the single-model form, whose one fixed value is kvproxy.metrics.SINGLE_MODEL.
+# run the single-model form, whose one fixed value is kvproxy.observe.metrics.SINGLE_MODEL.
 
 
 def sample(server: KvproxyServer, name: str, **labels: str) -> float:

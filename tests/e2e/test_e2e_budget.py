@@ -44,7 +44,7 @@ from e2e_stack import (
     tenant_prompt,
 )
 
-from kvproxy.app import KvproxyServer
+from kvproxy.serve.app import KvproxyServer
 
 REQUESTS = 200
 MAX_REQUESTS = 16

@@ -34,7 +34,7 @@ from e2e_stack import CHAT, COMPLETIONS, body_for, engines_of, poll, sim_cluster
 from ports import free_port
 from redis_server import RedisServer, needs_redis, redis_server
 
-from kvproxy.budget_scripts import BudgetKeys
+from kvproxy.budget.scripts import BudgetKeys
 from kvproxy.sim import SimCluster
 
 pytestmark = [pytest.mark.slow, needs_redis]

@@ -25,7 +25,7 @@ from ports import free_port
 from real_router import READY_TIMEOUT_S, RealRouter, smg_binary, spawn, stop_process
 from tokenizer_files import real_tokenizer_dir
 
-from kvproxy.app import KvproxyServer
+from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions
 from kvproxy.sim.tokenizer import ChatRenderer, load_tokenizer
 

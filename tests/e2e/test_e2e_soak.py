@@ -54,7 +54,7 @@ from e2e_stack import (
     tenant_prompt,
 )
 
-from kvproxy.app import KvproxyServer
+from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim import SimCluster
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import MAX_N, MAX_OUTPUT_TOKENS, PromptShape, Route, parse_request
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import MAX_N, MAX_OUTPUT_TOKENS, PromptShape, Route, parse_request
 
 SECRET = "S3CRET-prompt-text"
 ROUTES: tuple[Route, ...] = ("chat", "completions", "generate")

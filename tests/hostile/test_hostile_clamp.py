@@ -1,4 +1,4 @@
-"""Fuzzing `decode_policy: clamp` (kvproxy/clamp.py) over body shapes, every route.
+"""Fuzzing `decode_policy: clamp` (kvproxy/policy/clamp.py) over body shapes, every route.
 
 Property: `clamp_output` returns a body kvproxy's own parser accepts, asking for at most the
 cap, with the same batch and samples, or raises a 400 naming a problem (never quoting the
@@ -14,9 +14,9 @@ from hostile_support import ROUTES, check_invalid_request, hostile_body, near_va
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvproxy.clamp import clamp_output
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import Route, parse_request
+from kvproxy.policy.clamp import clamp_output
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import Route, parse_request
 
 FUZZ = settings(
     max_examples=300,

@@ -24,8 +24,8 @@ import pytest
 from aiohttp import web
 from kvtest import FakeUpstream, running_proxy, static_engines, wait_until
 
-from kvproxy.app import KvproxyServer
-from kvproxy.errors import UPSTREAM_OUTCOMES
+from kvproxy.policy.errors import UPSTREAM_OUTCOMES
+from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
 CHAT = "/v1/chat/completions"

@@ -23,8 +23,8 @@ from hostile_support import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import MAX_OUTPUT_TOKENS, Route, parse_request
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import MAX_OUTPUT_TOKENS, Route, parse_request
 
 FUZZ = settings(
     max_examples=200,

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from kvproxy.metrics import Metrics
+from kvproxy.observe.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -27,9 +27,9 @@ from redis_server import needs_redis, redis_server
 from grafana import dashboard, rules
 from grafana.model import RATE
 from grafana.promql import to_promql
-from kvproxy.app import KvproxyServer
-from kvproxy.config import load_settings
-from kvproxy.metrics import Metrics
+from kvproxy.config.settings import load_settings
+from kvproxy.observe.metrics import Metrics
+from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
 # Generous windows: every query looks back over the whole test, however slow the machine.

@@ -1,6 +1,6 @@
 """Every PromQL expression (dashboard and alerts) parses and reads only what kvproxy exports.
 
-"Exports" is taken from the one registry (`kvproxy.metrics.Metrics`) with every labelled
+"Exports" is taken from the one registry (`kvproxy.observe.metrics.Metrics`) with every labelled
 metric touched once: a fresh process shows labelled families only as HELP/TYPE lines until
 a first request, reason or engine creates a child, so an untouched registry would hide
 them. The end-to-end test (test_obs_e2e.py) checks the same names against a live scrape

@@ -14,7 +14,7 @@ import aiohttp
 from kvtest import running_proxy
 from ports import free_port
 
-from kvproxy.app import KvproxyServer
+from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
 MODEL = "kvproxy-sim"

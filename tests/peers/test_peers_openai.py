@@ -26,7 +26,7 @@ from clients_support import (
 )
 from kvtest import wait_until
 
-from kvproxy.app import KvproxyServer
+from kvproxy.serve.app import KvproxyServer
 
 USER = [{"role": "user", "content": "hello from the openai sdk"}]
 OVER = [{"role": "user", "content": OVER_LIMIT_TEXT}]

@@ -37,8 +37,8 @@ from chat_reference import (
     template_models,
 )
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import PromptShape, parse_request
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import PromptShape, parse_request
 from kvproxy.tokens.chatnorm import (
     ENGINE_KINDS,
     EngineKind,

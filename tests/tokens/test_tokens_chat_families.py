@@ -24,8 +24,8 @@ from aiohttp import web
 from chat_reference import Reference, load_reference, model_dir, reference_count
 from kvtest import FakeUpstream, running_proxy, static_engines
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import parse_request
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, content_formats
 from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.local import HfTokenizer, load_hf

@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy.config import load_settings
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import parse_request
+from kvproxy.config.settings import load_settings
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import engine_kinds
 from kvproxy.tokens.chatnorm import (
     content_formats,

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import PromptShape, parse_request
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import PromptShape, parse_request
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.counter import UNKNOWN_SPECIAL_TOKENS, TokenCounter
 from kvproxy.tokens.templates import ChatTemplate

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import parse_request
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.engine import (
     EngineTokenizeError,

@@ -35,8 +35,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import parse_request
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.fast import (
     FastTokenizer,
     added_tokens,

@@ -13,8 +13,8 @@ from chat_reference import load_reference, model_dir, reference_count, template_
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import SequencePrompt, parse_request
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import SequencePrompt, parse_request
 from kvproxy.tokens import frames
 from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.frames import FrameCache

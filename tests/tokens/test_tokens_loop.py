@@ -17,12 +17,12 @@ import orjson
 import pytest
 from tokenizer_files import real_tokenizer_dir
 
-from kvproxy.config import Settings
-from kvproxy.errors import KvproxyError
-from kvproxy.metrics import Metrics
-from kvproxy.prompt import parse_request
+from kvproxy.config.settings import Settings
+from kvproxy.observe.metrics import Metrics
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import parse_request
+from kvproxy.serve.watch import LoopLagMonitor, release_heap, settle_heap
 from kvproxy.tokens import TokenCount, TokenCounter, build_counter
-from kvproxy.watch import LoopLagMonitor, release_heap, settle_heap
 
 T = TypeVar("T")
 LAG_LIMIT_S = 0.02

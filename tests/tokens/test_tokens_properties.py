@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvproxy.config import Settings
-from kvproxy.prompt import parse_request
+from kvproxy.config.settings import Settings
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import bounds
 from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.local import HfTokenizer

@@ -8,8 +8,8 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy.errors import KvproxyError
-from kvproxy.prompt import SequencePrompt, parse_request
+from kvproxy.policy.errors import KvproxyError
+from kvproxy.prompt.parse import SequencePrompt, parse_request
 from kvproxy.tokens import bounds
 from kvproxy.tokens.local import HfTokenizer
 from kvproxy.tokens.templates import BIG_CHARS, ChatTemplate

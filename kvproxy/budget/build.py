@@ -1,0 +1,54 @@
+"""Which in-flight budget a server gets: the local one, or the cluster one on Redis.
+
+Kept apart from both budgets so that the local path never imports the Redis client (the
+core install has no redis package unless the operator asked for the redis backend).
+"""
+
+from __future__ import annotations
+
+from kvproxy.budget.local import Budget, InflightBudget
+from kvproxy.config.settings import ConfigError, Settings
+from kvproxy.observe.metrics import SINGLE_MODEL, Metrics
+
+
+def build_budget(s: Settings, metrics: Metrics, model: str = SINGLE_MODEL) -> Budget:
+    # Exported (0) for the local backend too, as before the gauge had a `model` label: the
+    # dashboard's panel reads it whichever backend runs.
+    metrics.budget_cluster_tokens.labels(model)
+    if s.budget_backend == "local":
+        return InflightBudget(
+            max_tokens=s.max_inflight_prompt_tokens,
+            max_requests=s.max_inflight_requests,
+            queue_timeout_s=s.queue_timeout_s,
+            queue_max_waiters=s.queue_max_waiters,
+            metrics=metrics,
+            model=model,
+        )
+    try:
+        from kvproxy.budget.cluster import RedisBudget
+        from kvproxy.budget.connection import RedisOptions, default_replica_id
+    except ImportError as exc:  # the redis extra is not installed
+        raise ConfigError(
+            f"budget_backend redis needs the redis extra: pip install 'kvproxy[redis]' ({exc})"
+        ) from None
+    assert s.redis_url is not None  # Settings refuses redis without a URL
+    return RedisBudget(
+        max_tokens=s.max_inflight_prompt_tokens,
+        max_requests=s.max_inflight_requests,
+        queue_timeout_s=s.queue_timeout_s,
+        queue_max_waiters=s.queue_max_waiters,
+        metrics=metrics,
+        model=model,
+        options=RedisOptions(
+            url=s.redis_url.get_secret_value(),
+            password=s.redis_password_value(),
+            ssl_ca_file=None if s.redis_tls_ca_file is None else str(s.redis_tls_ca_file),
+            key_prefix=s.redis_key_prefix,
+            pool=s.budget_pool,
+            lease_ttl_s=s.redis_lease_ttl_s,
+            timeout_s=s.redis_timeout_s,
+            unavailable=s.redis_unavailable,
+            expected_replicas=s.budget_expected_replicas,
+            replica_id=default_replica_id(),
+        ),
+    )

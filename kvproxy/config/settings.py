@@ -1,0 +1,379 @@
+"""Settings: one frozen object, resolved once at start.
+
+Sources, highest priority first: CLI overrides (passed as init kwargs), environment
+(`KVPROXY_*`, `__` for nesting), the YAML file (`load_settings(config_path=...)`, which
+`--config` feeds, else the one `KVPROXY_CONFIG` names), then the defaults below. An
+invalid value raises `ConfigError` with one line naming the setting; the CLI turns that
+into exit code 2.
+
+`load_settings` is the one loader (serve, demo, check): it reads the environment and never
+writes it, so the config path travels as an argument, not through `os.environ`.
+
+Every default here is a safety decision; the README explains each one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from kvproxy.policy.errors import ConfigError as ConfigError  # raised here; callers import it here
+from kvproxy.upstream.origin import parse_origin
+
+if TYPE_CHECKING:
+    from kvproxy.config.models import ModelSpec
+
+MIB = 1024 * 1024
+
+
+class EngineSpec(BaseModel):
+    """One engine the capacity monitor polls directly (never through the router)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str
+    role: Literal["prefill", "decode", "unified"] = "unified"
+    kind: Literal["sglang", "vllm", "static"] = "sglang"
+    # Only for kind=static: an operator-declared pool, always labelled source="declared".
+    capacity_tokens: int | None = Field(default=None, ge=1)
+    # Optional human name for metrics/logs; defaults to the URL's host:port.
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _static_needs_capacity(self) -> EngineSpec:
+        if self.kind == "static" and self.capacity_tokens is None:
+            raise ValueError("kind=static needs capacity_tokens")
+        if self.kind != "static" and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        rest = self.url.split("://", 1)[-1]
+        return rest.split("/", 1)[0] or self.url
+
+
+class CanaryTenant(BaseModel):
+    """Markers that belong to one tenant; seeing them in another tenant's reply is a leak."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=64)
+    markers: tuple[str, ...] = ()
+    # Regular expressions, e.g. "KVCANARY-acme-[0-9a-f]{16}".
+    patterns: tuple[str, ...] = ()
+
+
+def check_tokenizer(v: str) -> str:
+    """The tokenizer spelling shared by the single-model form and every `models` entry."""
+    if v in ("bytes", "engine") or v.startswith(("hf:", "tiktoken:")):
+        return v
+    raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
+
+
+def check_url(v: str) -> str:
+    if not v.startswith(("http://", "https://")):
+        raise ValueError(f"must start with http:// or https://, got {v!r}")
+    return v.rstrip("/")
+
+
+def check_upstream(v: str) -> str:
+    """A router URL the relay's client can reach (kvproxy.upstream.origin)."""
+    v = check_url(v)
+    parse_origin(v)
+    return v
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVPROXY_",
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="forbid",
+        case_sensitive=False,
+    )
+
+    # --- network -------------------------------------------------------------------------
+    listen: str = "0.0.0.0:8080"
+    admin_listen: str = "0.0.0.0:9090"
+    upstream: str = "http://127.0.0.1:8000"
+    # Request bodies: 1M-token prompts are ~4-16 MiB of JSON; 32 MiB leaves room.
+    max_body_bytes: int = Field(default=32 * MIB, ge=1024)
+    # A client must deliver its whole body within this time (slowloris guard).
+    body_read_timeout_s: float = Field(default=60.0, gt=0)
+    # ...and its first request's headers within this time of connecting.
+    header_read_timeout_s: float = Field(default=30.0, gt=0)
+    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
+    # Worst time between two upstream reads: a 1M-token prefill can take minutes before the
+    # first byte; the router sends nothing meanwhile.
+    upstream_read_timeout_s: float = Field(default=900.0, gt=0)
+    # Shorter than the router's idle keep-alive so we never POST on a connection the router
+    # is closing (aiohttp does not retry a POST that hit ServerDisconnectedError).
+    upstream_keepalive_s: float = Field(default=15.0, gt=0)
+    upstream_max_connections: int = Field(default=1024, ge=1)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+    # --- capacity ------------------------------------------------------------------------
+    engines: tuple[EngineSpec, ...] = ()
+    max_context: int | None = Field(default=None, ge=1)
+    capacity_refresh_s: float = Field(default=10.0, gt=0)
+    capacity_stale_s: float = Field(default=60.0, gt=0)
+    capacity_probe_timeout_s: float = Field(default=5.0, gt=0)
+    limit_margin_tokens: int = Field(default=0, ge=0)
+    # Explicit, operator-owned fallback used only while no measurement is fresh (I3).
+    capacity_fallback_limit_tokens: int | None = Field(default=None, ge=1)
+
+    # --- engine posture (kvproxy.posture) ---------------------------------------------------
+    # The operator's own advisories (same schema as the shipped table), entries accepted by
+    # id (listed in /capacity, the release record and the start log), and whether an active
+    # unaccepted high-severity finding takes the proxy out of rotation (/readyz 503).
+    advisories_file: str | None = None
+    accept_advisories: tuple[str, ...] = ()
+    posture_action: Literal["warn", "not_ready"] = "warn"
+
+    # --- tokens and admission ------------------------------------------------------------
+    tokenizer: str = "bytes"
+    chat_template: str | None = None
+    count_timeout_s: float = Field(default=10.0, gt=0)
+    count_concurrency: int = Field(default=2, ge=1)
+    image_tokens: int = Field(default=16384, ge=0)
+    audio_tokens: int = Field(default=16384, ge=0)
+    decode_policy: Literal["reject", "clamp"] = "reject"
+    # Output assumed when a request names no max_tokens (decode needs room for >= 1 token).
+    default_output_tokens: int = Field(default=1, ge=1)
+
+    # --- deferred cancellation -----------------------------------------------------------
+    drain_until: Literal["first_token", "completion"] = "first_token"
+    # SGLang's bootstrap/waiting timeouts are 300 s: after that the engine has given up the
+    # transfer itself, so waiting longer buys nothing and shorter may cut a live transfer.
+    drain_timeout_s: float = Field(default=300.0, gt=0)
+    max_inflight_prompt_tokens: int | None = Field(default=None, ge=1)
+    max_inflight_requests: int | None = Field(default=None, ge=1)
+    queue_timeout_s: float = Field(default=30.0, ge=0)
+    queue_max_waiters: int = Field(default=1024, ge=0)
+    # Where the budget lives. local: this replica alone (N replicas may over-commit N-fold);
+    # redis: one budget for every replica in front of the same engines (kvproxy.budget.cluster).
+    budget_backend: Literal["local", "redis"] = "local"
+    # redis://, rediss:// (TLS) or unix://. May carry a password; it is never logged.
+    redis_url: SecretStr | None = None
+    # The password apart from the URL: a file (a mounted Secret) or KVPROXY_REDIS_PASSWORD.
+    redis_password_file: Path | None = None
+    redis_password: SecretStr | None = None
+    redis_tls_ca_file: Path | None = None
+    redis_key_prefix: str = Field(default="kvproxy:budget", min_length=1)
+    # One budget per engine pool: replicas in front of the same engines share this name.
+    budget_pool: str = Field(default="default", min_length=1, max_length=128)
+    # A dead replica's leases come back after this long; live ones are renewed every third.
+    redis_lease_ttl_s: float = Field(default=15.0, ge=0.3)
+    # A Redis call slower than this counts as Redis unavailable.
+    redis_timeout_s: float = Field(default=0.5, gt=0)
+    redis_unavailable: Literal["local_share", "reject"] = "local_share"
+    # local_share enforces budget / this on each replica while Redis is unavailable.
+    budget_expected_replicas: int = Field(default=1, ge=1)
+
+    # --- tenants and canaries ------------------------------------------------------------
+    tenant_header: str = "X-Tenant-ID"
+    trust_tenant_header: bool = False
+    # bearer-token -> tenant map; tokens never appear in logs or labels.
+    tenant_tokens: dict[str, str] = Field(default_factory=dict)
+    tenant_hash_salt: str = "kvproxy"
+    canaries: tuple[CanaryTenant, ...] = ()
+    canary_action: Literal["block", "observe"] = "block"
+
+    # --- routes --------------------------------------------------------------------------
+    # Extra routes forwarded WITHOUT counting ("/path", "GET /path", "GET,HEAD /prefix/*"),
+    # on top of the built-in read-only ones. Their bodies reach the upstream unexamined:
+    # list only routes that cannot carry a prompt to a KV cache (kvproxy.policy.routes).
+    passthrough_routes: tuple[str, ...] = ()
+
+    # --- several models (kvproxy.config.models) ------------------------------------------
+    # Empty: the settings above are one model that matches every name (the single-model
+    # form). Otherwise each entry owns its engines, tokenizer, template, limits and budget,
+    # and a request is counted and admitted against the entry its `model` names.
+    models: tuple[ModelSpec, ...] = ()
+    # The entry for a request that names no model (SGLang /generate has no `model` field)
+    # or a name no entry matches; unset, those get 404 model_not_found.
+    default_model: str | None = None
+    # /readyz with several models. any: ready while at least one model has fresh capacity
+    # (the others answer 503 capacity_unknown per request); all: ready only when every
+    # model has (one model's outage takes every model out of the Service).
+    readiness: Literal["any", "all"] = "any"
+
+    # --- logging -------------------------------------------------------------------------
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = True
+
+    @field_validator("listen", "admin_listen")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        split_host_port(v)
+        return v
+
+    @field_validator("upstream")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return check_upstream(v)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, v: str) -> str:
+        return check_tokenizer(v)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
+        # The message names the scheme only: the URL may hold a password.
+        if v is not None and not v.get_secret_value().startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+    @field_validator("passthrough_routes")
+    @classmethod
+    def _passthrough(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from kvproxy.policy.routes import parse_passthrough  # the allowlist's one parser
+
+        parse_passthrough(v)
+        return v
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Settings:
+        if self.capacity_stale_s < self.capacity_refresh_s:
+            raise ValueError("capacity_stale_s must be >= capacity_refresh_s")
+        if self.budget_backend == "redis" and self.redis_url is None:
+            raise ValueError("budget_backend redis needs redis_url")
+        from kvproxy.posture.advisories import load_table  # imports nothing of config
+
+        load_table(self.advisories_file, self.accept_advisories)  # AdvisoryError: ValueError
+        check_models(self)
+        return self
+
+    def redis_password_value(self) -> str | None:
+        """The Redis password from the file or the setting (the file wins); never logged."""
+        if self.redis_password_file is not None:
+            try:
+                return self.redis_password_file.read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"invalid setting redis_password_file (KVPROXY_REDIS_PASSWORD_FILE): "
+                    f"cannot read it ({type(exc).__name__})"
+                ) from None
+        return None if self.redis_password is None else self.redis_password.get_secret_value()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    @property
+    def listen_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.listen)
+
+    @property
+    def admin_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.admin_listen)
+
+
+# The config file of the `load_settings` call being resolved. pydantic-settings builds its
+# sources per class, not per call, so the path reaches `_YamlSource` this way: scoped to the
+# one call (a context variable, reset on return), never through the process environment.
+_CONFIG_PATH: ContextVar[str | None] = ContextVar("kvproxy_config_path", default=None)
+
+
+@contextmanager
+def _config_path(path: str | os.PathLike[str] | None) -> Iterator[None]:
+    token = _CONFIG_PATH.set(None if path is None else os.fspath(path))
+    try:
+        yield
+    finally:
+        _CONFIG_PATH.reset(token)
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the YAML file `load_settings(config_path=...)` names, else KVPROXY_CONFIG's."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _CONFIG_PATH.get() or os.environ.get("KVPROXY_CONFIG")
+        if not path:
+            return {}
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"config file {path}: {exc}".replace("\n", " ")) from exc
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping")
+        return {str(k).lower(): v for k, v in data.items()}
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not (0 <= int(port) <= 65535):
+        raise ValueError(f"must be HOST:PORT, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def load_settings(
+    config_path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    **more: Any,
+) -> Settings:
+    """Build Settings or raise ConfigError with one readable line.
+
+    `config_path`: the YAML file (`--config`); None reads the one KVPROXY_CONFIG names, if
+    any. `overrides` (and keyword overrides, merged over them): values that win over the
+    environment and the file, as CLI flags do; a None value means "not given". Reads the
+    environment, never writes it: two loads in one process cannot see each other's file.
+
+        load_settings(config_path="kvproxy.yaml", overrides={"max_context": 8192})
+    """
+    given = {k: v for k, v in {**(overrides or {}), **more}.items() if v is not None}
+    try:
+        with _config_path(config_path):
+            return Settings(**given)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        env = "KVPROXY_" + loc.split(".")[0].upper()
+        msg = f"invalid setting {loc} ({env}): {err['msg']}"
+        if len(exc.errors()) > 1:
+            msg += f" (and {len(exc.errors()) - 1} more)"
+        raise ConfigError(msg) from None
+
+
+from kvproxy.config.models import ModelSpec, check_models  # noqa: E402  (needs EngineSpec)
+
+Settings.model_rebuild()

@@ -1,0 +1,390 @@
+"""Every Prometheus metric kvproxy exports, defined once.
+
+Names are a contract (DESIGN.md, "Contract"): dashboards, alert rules and `kvproxy check`
+read them. Labels never carry prompt or completion text (I8): only routes, reasons,
+outcomes, engine names and tenant ids.
+
+Each `Metrics` owns its own registry so that several proxies (tests, the demo) can live in
+one process without colliding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Self, get_args
+
+import prometheus_client
+from prometheus_client import CollectorRegistry
+
+from kvproxy.policy.counts import CountMethod
+from kvproxy.policy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
+
+# Seconds: a 1M-token prefill can take minutes; default buckets stop at 10 s.
+LONG_SECONDS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280,
+    2560,
+)  # fmt: skip
+DECISION_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1, 2.5, 5, 10)  # fmt: skip
+LOOP_LAG_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 131072, 262144, 524288, 1048576,
+                 2097152)  # fmt: skip
+DRIFT_BUCKETS = (-4096, -1024, -256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256, 1024, 4096)
+DEFERRED_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 180, 300, 600)
+REDIS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1)  # fmt: skip
+QUEUE_SECONDS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+COUNT_METHODS: tuple[CountMethod, ...] = get_args(CountMethod)
+# What TokenCounter.backend can be: the library that counts exactly, or the method.
+TOKENIZER_BACKENDS = ("fastokens", "hf", "tiktoken", "engine", "bytes")
+REDIS_UNAVAILABLE_POLICIES = ("local_share", "reject")
+# The `model` label's values: a configured model's name (kvproxy.serve.models), this one for the
+# single-model form (it matches every name), and one bounded value for a request no
+# configured model was resolved for (an unknown name, a pass-through or refused route).
+SINGLE_MODEL = "default"
+UNKNOWN_MODEL = "_unknown"
+
+
+# Children remembered per labelled metric: label values come from closed sets (routes,
+# decisions, reasons, methods, tenants, status codes), so this is never reached in practice;
+# past it, `labels` just does the full lookup.
+MAX_CACHED_CHILDREN = 1024
+
+
+class _CachedLabels:
+    """`labels(*values)` answered from a dict of bound children after the first call.
+
+    prometheus_client's own `labels` validates, converts every value to str and takes a
+    lock on every call (~1.3 us; a bound child's `inc` is ~0.5 us), and the handler asks
+    for five children per request. Values are looked up as given (the status is already a
+    str), so `labels("chat")` and `labels(b"chat")` would be different keys, both correct.
+    Children are never removed here (no `remove`/`clear` callers), so a cached child is
+    the one the registry exports."""
+
+    _kv_children: dict[tuple[Any, ...], Any]
+
+    def labels(self, *values: Any, **kw: Any) -> Self:
+        if kw:
+            return super().labels(*values, **kw)  # type: ignore[misc, no-any-return]
+        try:
+            cache = self._kv_children
+        except AttributeError:
+            cache = self._kv_children = {}
+        child = cache.get(values)
+        if child is None:
+            child = super().labels(*values)  # type: ignore[misc]
+            if len(cache) < MAX_CACHED_CHILDREN:
+                cache[values] = child
+        return child  # type: ignore[no-any-return]
+
+
+class Counter(_CachedLabels, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_CachedLabels, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_CachedLabels, prometheus_client.Histogram):
+    pass
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+
+        # --- requests ---------------------------------------------------------------------
+        # `route` is bounded: a counted route's name (kvproxy.prompt.parse.Route), "passthrough" or
+        # "refused" (kvproxy.policy.routes.RouteMatch.label); never a path.
+        self.requests_total = Counter(
+            "kvproxy_requests_total",
+            "Requests handled, by route, admission decision and model.",
+            ["route", "decision", "model"],
+            registry=r,
+        )
+        self.responses_total = Counter(
+            "kvproxy_responses_total",
+            "Responses sent to clients, by route and HTTP status code.",
+            ["route", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "kvproxy_request_duration_seconds",
+            "Time from request start to the end of the response (or of the drain).",
+            ["route"],
+            buckets=LONG_SECONDS,
+            registry=r,
+        )
+        self.upstream_ttft = Histogram(
+            "kvproxy_upstream_ttft_seconds",
+            "Time from forwarding a request to its first generated output (event streams, whatever "
+            "field carries it) or to the first body byte (anything else).",
+            buckets=LONG_SECONDS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "kvproxy_inflight_requests",
+            "Requests currently being handled, deferred cancellations included.",
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvproxy_upstream_errors_total",
+            "Upstream failures, by kvproxy outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "kvproxy_client_disconnects_total",
+            "Clients that went away before their response ended, by phase.",
+            ["phase"],
+            registry=r,
+        )
+        self.event_loop_lag = Histogram(
+            "kvproxy_event_loop_lag_seconds",
+            "How late the event loop ran a timer scheduled for now (stalls show here).",
+            buckets=LOOP_LAG_SECONDS,
+            registry=r,
+        )
+        self.event_loop_lag_max = Gauge(
+            "kvproxy_event_loop_lag_max_seconds",
+            "Largest event-loop lag seen since start.",
+            registry=r,
+        )
+
+        # --- capacity ---------------------------------------------------------------------
+        self.pool_capacity = Gauge(
+            "kvproxy_pool_capacity_tokens",
+            "KV-cache pool each engine reports having allocated (model: the model it serves).",
+            ["engine", "role", "source", "model"],
+            registry=r,
+        )
+        self.engine_input_limit = Gauge(
+            "kvproxy_engine_input_limit_tokens",
+            "Largest prompt each engine accepts, derived from its runtime report.",
+            ["engine", "role", "source", "model"],
+            registry=r,
+        )
+        self.admission_limit = Gauge(
+            "kvproxy_admission_limit_tokens",
+            "Largest prompt that is admitted (inclusive), by model; 0 while capacity is unknown.",
+            ["model"],
+            registry=r,
+        )
+        self.decode_limit = Gauge(
+            "kvproxy_decode_limit_tokens",
+            "Largest prompt + output the engines serve in full, neither refused nor cut "
+            "(inclusive), by model; 0 while unknown.",
+            ["model"],
+            registry=r,
+        )
+        self.declared_context = Gauge(
+            "kvproxy_declared_context_tokens",
+            "Context length declared in configuration (max_context), by model; 0 if unset.",
+            ["model"],
+            registry=r,
+        )
+        self.capacity_known = Gauge(
+            "kvproxy_capacity_known",
+            "1 when every engine of the model has a fresh measurement, else 0.",
+            ["model"],
+            registry=r,
+        )
+        self.capacity_last_success = Gauge(
+            "kvproxy_capacity_last_success_timestamp_seconds",
+            "Unix time of each engine's last successful capacity probe.",
+            ["engine"],
+            registry=r,
+        )
+        self.capacity_probe_errors = Counter(
+            "kvproxy_capacity_probe_errors_total",
+            "Failed capacity probes, by engine and reason.",
+            ["engine", "reason"],
+            registry=r,
+        )
+
+        # --- engine posture (kvproxy.posture) ---------------------------------------------
+        # Labels: configured/discovered engines x advisory ids of the loaded table and the
+        # builtin pair checks (both bounded).
+        self.engine_advisory = Gauge(
+            "kvproxy_engine_advisory",
+            "1 while an advisory or pair check applies to the engine and is not accepted; "
+            "0 while it applies and the operator accepted it (accept_advisories).",
+            ["engine", "advisory"],
+            registry=r,
+        )
+        self.engine_transfer_failures = Gauge(
+            "kvproxy_engine_transfer_failures",
+            "The engine's own failure counter as last probed (kind=transfer: "
+            "sglang:num_transfer_failed_reqs_total, which a KV checksum mismatch increments; "
+            "kind=bootstrap: sglang:num_bootstrap_failed_reqs_total). Use increase().",
+            ["engine", "kind"],
+            registry=r,
+        )
+
+        # --- admission --------------------------------------------------------------------
+        self.rejections = Counter(
+            "kvproxy_rejections_total",
+            "Requests refused before reaching the router, by reason and model.",
+            ["reason", "model"],
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "kvproxy_prompt_tokens",
+            "Prompt tokens used for the decision (a bound or an exact count), by method and model.",
+            ["method", "model"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.admission_duration = Histogram(
+            "kvproxy_admission_duration_seconds",
+            "Time to decide admission, by counting method.",
+            ["method"],
+            buckets=DECISION_SECONDS,
+            registry=r,
+        )
+        self.token_count_drift = Histogram(
+            "kvproxy_token_count_drift",
+            "Engine-reported usage.prompt_tokens minus kvproxy's count (exact counts only).",
+            buckets=DRIFT_BUCKETS,
+            registry=r,
+        )
+        self.tokenizer_backend = Gauge(
+            "kvproxy_tokenizer_backend",
+            "1 for the library that counts prompt tokens exactly (fastokens only once it "
+            "agreed with HF tokenizers at start-up), 0 for the others.",
+            ["backend"],
+            registry=r,
+        )
+        self.token_bound_exceeded = Counter(
+            "kvproxy_token_bound_exceeded_total",
+            "Responses whose usage.prompt_tokens exceeded kvproxy's count or bound "
+            "(the model's configured tokenizer does not match it), by model.",
+            ["model"],
+            registry=r,
+        )
+
+        # --- deferred cancellation and budget ---------------------------------------------
+        self.deferred_total = Counter(
+            "kvproxy_deferred_cancellations_total",
+            "Upstream closes deferred after a client disconnect, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.deferred_duration = Histogram(
+            "kvproxy_deferred_cancellation_duration_seconds",
+            "Time an upstream was kept open after its client left, by outcome.",
+            ["outcome"],
+            buckets=DEFERRED_SECONDS,
+            registry=r,
+        )
+        self.deferred_in_progress = Gauge(
+            "kvproxy_deferred_cancellations_in_progress",
+            "Upstreams currently kept open for a client that has gone.",
+            registry=r,
+        )
+        self.discarded_tokens = Counter(
+            "kvproxy_discarded_tokens_total",
+            "Generated-token chunks read from upstream and discarded after a disconnect.",
+            registry=r,
+        )
+        self.budget_tokens_in_use = Gauge(
+            "kvproxy_inflight_prompt_tokens",
+            "Prompt tokens held by requests whose upstream is still open, by model.",
+            ["model"],
+            registry=r,
+        )
+        self.budget_tokens_limit = Gauge(
+            "kvproxy_inflight_prompt_tokens_limit",
+            "Configured in-flight prompt-token budget, by model (0 = unlimited).",
+            ["model"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "kvproxy_queue_depth",
+            "Requests waiting for in-flight budget, by model.",
+            ["model"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "kvproxy_queue_wait_seconds",
+            "Time admitted requests waited for in-flight budget.",
+            buckets=QUEUE_SECONDS,
+            registry=r,
+        )
+
+        # --- the cluster budget on Redis (budget_backend: redis) ----------------------------
+        self.budget_cluster_tokens = Gauge(
+            "kvproxy_budget_cluster_prompt_tokens",
+            "Prompt tokens held by every replica sharing the model's Redis budget, as last seen.",
+            ["model"],
+            registry=r,
+        )
+        self.budget_lease_renewals = Counter(
+            "kvproxy_budget_lease_renewals_total",
+            "Redis budget leases this replica renewed (its requests are still upstream).",
+            registry=r,
+        )
+        self.budget_lease_expiries = Counter(
+            "kvproxy_budget_lease_expiries_total",
+            "Expired Redis budget leases reclaimed (a replica died or lost Redis too long).",
+            registry=r,
+        )
+        self.budget_leases_reasserted = Counter(
+            "kvproxy_budget_leases_reasserted_total",
+            "Live leases put back after Redis had lost them (restart, long outage), or "
+            "local-share leases registered when Redis returned.",
+            registry=r,
+        )
+        self.budget_redis_rtt = Histogram(
+            "kvproxy_budget_redis_rtt_seconds",
+            "Round-trip time of the budget's Redis calls.",
+            buckets=REDIS_SECONDS,
+            registry=r,
+        )
+        self.budget_fallbacks = Counter(
+            "kvproxy_budget_backend_fallbacks_total",
+            "Switches to the redis_unavailable policy, by policy.",
+            ["policy"],
+            registry=r,
+        )
+        self.budget_degraded = Gauge(
+            "kvproxy_budget_backend_degraded",
+            "1 while Redis is unavailable and the redis_unavailable policy applies.",
+            registry=r,
+        )
+
+        # --- isolation --------------------------------------------------------------------
+        self.canary_violations = Counter(
+            "kvproxy_canary_violations_total",
+            "Responses to a tenant that carried another tenant's canary marker.",
+            ["tenant"],
+            registry=r,
+        )
+
+        # Pre-create the label sets dashboards and alerts read, so a fresh proxy exports 0
+        # rather than nothing (rate() over a missing series is empty, not zero).
+        for outcome in DEFERRED_OUTCOMES:
+            self.deferred_total.labels(outcome)
+            self.deferred_duration.labels(outcome)
+        for phase in DISCONNECT_PHASES:
+            self.client_disconnects.labels(phase)
+        for backend in TOKENIZER_BACKENDS:
+            self.tokenizer_backend.labels(backend)
+        for policy in REDIS_UNAVAILABLE_POLICIES:
+            self.budget_fallbacks.labels(policy)
+        for method in COUNT_METHODS:
+            self.admission_duration.labels(method)
+
+    def add_model(self, model: str) -> None:
+        """Pre-create a model's series (kvproxy.serve.models calls it once per configured model),
+        so each model's counts export 0 rather than nothing."""
+        for method in COUNT_METHODS:
+            self.prompt_tokens.labels(method, model)
+        self.token_bound_exceeded.labels(model)
+
+    def set_tokenizer_backend(self, backend: str) -> None:
+        """Exactly one backend reads 1: the one the token counter uses."""
+        for name in {*TOKENIZER_BACKENDS, backend}:
+            self.tokenizer_backend.labels(name).set(1 if name == backend else 0)

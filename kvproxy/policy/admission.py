@@ -1,0 +1,249 @@
+"""The admission decision, sans-IO: a prompt count, the request's shape and the current
+limits in, a verdict out.
+
+Owns invariants I1 (never admit above the limit: only a guaranteed bound or an exact count
+may admit), I3 (unknown capacity refuses) and I4 (prompt + requested output must fit the
+decode pool). It never tokenizes, never touches a socket and never sees prompt text: the
+handler feeds it numbers and executes what it returns. `kvproxy check` uses the same rules
+for its boundary verdicts.
+
+One request, in the handler's order (h11-style: events in, decisions out):
+
+    precheck(limits, retry_after_s, detail)       I3 before parsing: Reject | None
+    count_ceiling(shape, limits, policy)          the largest count `decide` admits: the
+                                                  counter tokenizes exactly above it
+    charge_ceiling(budget_max_tokens, shape)      the largest batch total the budget lends
+    decide(count, shape, limits, policy)          Admit (maybe with a clamped output) | Reject
+    recheck(admit, limits, policy)                after queueing for budget: the same
+                                                  decision on today's limits
+
+`count_ceiling` and `decide` read the same arithmetic (`_decode_room`), so "the bound is
+under the ceiling" and "decide admits the bound" cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from kvproxy.policy import errors
+from kvproxy.policy.counts import CountMethod, TokenCount
+from kvproxy.policy.errors import KvproxyError
+
+
+class LimitsView(Protocol):
+    """What admission needs from the capacity monitor's `Limits`."""
+
+    @property
+    def known(self) -> bool: ...
+    @property
+    def admission_limit_tokens(self) -> int | None: ...
+    @property
+    def decode_limit_tokens(self) -> int | None: ...
+    @property
+    def decode_prompt_limit_tokens(self) -> int | None: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def why(self) -> str: ...
+
+
+class ShapeView(Protocol):
+    """What admission needs from a parsed request (`prompt.PromptShape`): no text."""
+
+    @property
+    def max_output_tokens(self) -> int | None: ...  # per sample; None: the request names none
+    @property
+    def n(self) -> int: ...  # parallel samples per sequence
+    @property
+    def prompt_param(self) -> str: ...  # the request field the prompt came from
+    @property
+    def generates(self) -> bool: ...  # False: embeddings, rerank...: I1 applies, I4 not
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    decode_policy: Literal["reject", "clamp"] = "reject"
+    # Output assumed when the request names none: decode must hold at least one new token.
+    default_output_tokens: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    count: TokenCount
+    shape: ShapeView
+    # Set only under decode_policy=clamp when the request asked for more than fits.
+    clamped_output_tokens: int | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.count.tokens
+
+    @property
+    def method(self) -> CountMethod:
+        return self.count.method
+
+    @property
+    def total(self) -> int:
+        """Prompt tokens over every sequence (== prompt_tokens for one); see
+        budget.charge_tokens."""
+        return self.count.total_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    error: KvproxyError
+
+
+Decision = Admit | Reject
+
+
+def precheck(limits: LimitsView, retry_after_s: int, detail: str) -> Reject | None:
+    """I3: before parsing or counting anything, refuse when capacity is unknown."""
+    if not limits.known or limits.admission_limit_tokens is None:
+        return Reject(errors.capacity_unknown(retry_after_s, detail))
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Room:
+    """I4 for one request on one decode pool: which prompts fit, and how."""
+
+    decode_limit: int
+    needed_output: int  # per-sample output x samples
+    n: int
+    prompt_only: int | None  # the decode engines' input-only limit, when no output is asked
+    clamp: bool
+
+    @property
+    def full(self) -> int:
+        """The largest prompt served with all the output it asked for."""
+        return self.decode_limit - self.needed_output
+
+    @property
+    def ceiling(self) -> int:
+        """The largest prompt admitted at all (in full, input-only, or clamped)."""
+        best = self.full
+        if self.needed_output == 0 and self.prompt_only is not None:
+            best = max(best, self.prompt_only)
+        if self.clamp:
+            # A clamped output keeps at least one token per sample.
+            best = max(best, self.decode_limit - self.n)
+        return best
+
+
+def _decode_room(shape: ShapeView, limits: LimitsView, policy: Policy) -> _Room | None:
+    decode_limit = limits.decode_limit_tokens
+    if decode_limit is None or not shape.generates:
+        # Prompt-only routes generate nothing: only I1 applies.
+        return None
+    # I4: every sample keeps its own output pages on decode; the prompt's pages are held
+    # once per sequence. Counting n x output is the conservative reading.
+    per_sample = shape.max_output_tokens
+    if per_sample is None:
+        per_sample = policy.default_output_tokens
+    n = max(shape.n, 1)
+    return _Room(
+        decode_limit=decode_limit,
+        needed_output=per_sample * n,
+        n=n,
+        prompt_only=limits.decode_prompt_limit_tokens,
+        clamp=policy.decode_policy == "clamp",
+    )
+
+
+def count_ceiling(shape: ShapeView, limits: LimitsView, policy: Policy) -> int:
+    """The largest per-sequence count `decide` admits for this shape on these limits (0
+    when it admits none), so the counter tokenizes exactly whenever its cheap bound would
+    fail either check (I1 on prefill, I4 on decode)."""
+    limit = limits.admission_limit_tokens or 0
+    room = _decode_room(shape, limits, policy)
+    if room is not None:
+        limit = min(limit, room.ceiling)
+    return max(limit, 0)
+
+
+def charge_ceiling(budget_max_tokens: int | None, shape: ShapeView) -> int | None:
+    """The largest batch total the budget could ever lend, so the counter tokenizes exactly
+    rather than refuse a batch whose summed bound, not its real size, is over the budget."""
+    return None if budget_max_tokens is None else budget_max_tokens // max(shape.n, 1)
+
+
+def decide(count: TokenCount, shape: ShapeView, limits: LimitsView, policy: Policy) -> Decision:
+    limit = limits.admission_limit_tokens
+    if not limits.known or limit is None:
+        return Reject(errors.capacity_unknown(5, "no fresh measurement"))
+
+    if count.tokens > limit:
+        why = limits.why
+        if not count.exact and not count.at_least:
+            why += "; counted by a byte bound, configure KVPROXY_TOKENIZER for exact counts"
+        return Reject(
+            errors.context_length_exceeded(
+                count.tokens, limit, limits.source, shape.prompt_param, why, at_least=count.at_least
+            )
+        )
+
+    room = _decode_room(shape, limits, policy)
+    # `decode_limit` is each engine's own arithmetic (kvproxy/capacity/limits.py): the
+    # largest prompt + output it serves in full. SGLang (all versions) never refuses an
+    # output its pool cannot hold, it lowers max_new_tokens silently
+    # (scheduler.init_req_max_new_tokens), so refusing above this number refuses exactly
+    # the requests whose output the engine would cut or, past the context check
+    # (tokenizer_manager, >= in older builds, > in current ones: we keep >=), refuse.
+    # vLLM refuses prompt + max_tokens > max_model_len itself.
+    if room is None or count.tokens <= room.full:
+        return Admit(count, shape)
+    if count.tokens > room.ceiling:
+        return Reject(
+            errors.decode_budget_exceeded(
+                count.tokens, room.needed_output, room.decode_limit, limits.source
+            )
+        )
+    if (
+        room.needed_output == 0
+        and room.prompt_only is not None
+        and count.tokens <= room.prompt_only
+    ):
+        # No output asked: only the decode engines' input checks apply.
+        return Admit(count, shape)
+    # Under the ceiling, not in full, not input-only: the clamp policy's share of the room.
+    return Admit(count, shape, (room.decode_limit - count.tokens) // room.n)
+
+
+def recheck(admit: Admit, limits: LimitsView, policy: Policy) -> Decision:
+    """I1/I4 at send time: the limits can fall while a request queues for budget (an engine
+    restarted onto a smaller pool), so the same decision is taken again on today's limits,
+    on the count the first decision had (its exactness included)."""
+    return decide(admit.count, admit.shape, limits, policy)
+
+
+__all__ = [
+    "Admit",
+    "Decision",
+    "LimitsView",
+    "Policy",
+    "Reject",
+    "ShapeView",
+    "charge_ceiling",
+    "count_ceiling",
+    "decide",
+    "precheck",
+    "recheck",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class UsageCheck:
+    """The engine's own prompt count (`usage.prompt_tokens`) against kvproxy's, after the
+    fact. `drift`: engine minus kvproxy, when kvproxy's count was meant to be exact (a
+    bound is expected to be above). `bound_exceeded`: the engine counted more than kvproxy
+    did, exact or bound: the configured tokenizer does not match the model, an I1 risk."""
+
+    drift: int | None
+    bound_exceeded: bool
+
+
+def check_usage(counted: int, method: str | None, engine_tokens: int) -> UsageCheck:
+    drift = engine_tokens - counted if method in ("exact", "engine") else None
+    return UsageCheck(drift=drift, bound_exceeded=engine_tokens > counted)

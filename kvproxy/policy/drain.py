@@ -1,0 +1,454 @@
+"""Deferred cancellation: what to do with an upstream request after its client has gone.
+
+Owns the policy of invariants I5 (no cancellation before a safe point) and, through
+`outcome`, the accounting that keeps timeouts apart from confirmed drains. A sans-IO state
+machine in h11's manner: the relay feeds it events (each stamped with a monotonic `now`
+the caller read) and executes the decision it returns. It never reads a clock, touches a
+socket, logs or updates metrics: it is unit-tested in microseconds.
+
+Why defer at all: the PD router closes both legs within ~20 ms of a disconnect during
+prefill, and a decode engine that frees pages on abort can have them overwritten by RDMA
+writes prefill already issued, in pages the next request has just been given. The safe
+points, after the client left, are:
+
+    streaming, until=first_token   a chunk carrying a generated token (decode holds the KV,
+                                   the transfer is over)           -> outcome first_token
+    any mode                       upstream EOF                    -> completed
+                                   upstream error                  -> upstream_error
+                                   drain deadline passed           -> timeout (NOT a proof
+                                                                      that writes stopped)
+                                   grace period of a shutdown over -> shutdown
+    non-streaming or until=completion: only EOF, error, timeout or shutdown.
+
+The machine is its table, as h11's is (`_state.py`): `TRANSITIONS[mode][(client, upstream)]
+[event]` gives the next state and the decision, and `handle` does nothing but classify the
+event, look it up and apply the row. A missing row is a caller bug and raises
+`DrainProtocolError` without changing state (an upstream event after the upstream closed, a
+second `UpstreamHeaders`, a chunk or EOF before headers, a second `ClientGone`, a `Deadline`
+while the client is present and the upstream open). `Shutdown` means "the shutdown grace
+period is over, close now", not "SIGTERM arrived": on SIGTERM the server stops accepting and
+lets drains run. The two modes differ in two rows only (`_FIRST_TOKEN_ROWS`).
+
+{TRANSITIONS}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal, TypeAlias, get_args
+
+DrainUntil = Literal["first_token", "completion"]
+Outcome = Literal["first_token", "completed", "upstream_error", "timeout", "shutdown"]
+Phase = Literal["before_headers", "before_first_token", "streaming"]
+
+# The machine owns its vocabulary; kvproxy.observe.metrics labels its series with these names.
+DEFERRED_OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
+DISCONNECT_PHASES: tuple[Phase, ...] = get_args(Phase)
+
+
+class DrainProtocolError(RuntimeError):
+    """An event that cannot happen in the machine's current state (a caller bug)."""
+
+
+# --- events in --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamHeaders:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamChunk:
+    now: float
+    # True when the chunk carries a generated token (`sse.StreamTexts(...).has_token`);
+    # always False for a non-streamed body.
+    has_token: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamEOF:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamError:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClientGone:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    now: float
+
+
+Event: TypeAlias = (
+    UpstreamHeaders | UpstreamChunk | UpstreamEOF | UpstreamError | ClientGone | Deadline | Shutdown
+)
+
+
+# --- decisions out ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Relay the headers / chunk to the client."""
+
+
+@dataclass(frozen=True, slots=True)
+class Discard:
+    """Drop the chunk (its client has gone) and keep reading the upstream."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeepReading:
+    """Nothing to send; keep the upstream open and keep reading it."""
+
+
+@dataclass(frozen=True, slots=True)
+class CloseUpstream:
+    """Close the upstream now. `outcome` is set when this ends a deferred cancellation
+    (count it), None when the client is still there (finish or fail its response)."""
+
+    outcome: Outcome | None
+
+
+@dataclass(frozen=True, slots=True)
+class NoOp:
+    """The event changes nothing (the upstream is already closed)."""
+
+
+Decision: TypeAlias = Forward | Discard | KeepReading | CloseUpstream | NoOp
+
+FORWARD = Forward()
+DISCARD = Discard()
+KEEP_READING = KeepReading()
+NO_OP = NoOp()
+CLOSE = CloseUpstream(None)
+_CLOSE_AS: dict[Outcome, CloseUpstream] = {o: CloseUpstream(o) for o in DEFERRED_OUTCOMES}
+
+
+# --- states and the events the table is keyed by ------------------------------------------
+
+
+class Client(Enum):
+    PRESENT = "present"
+    GONE = "gone"
+
+
+class Up(Enum):
+    AWAITING_HEADERS = "awaiting_headers"
+    BEFORE_TOKEN = "before_token"
+    STREAMING = "streaming"
+    CLOSED = "closed"
+
+
+class On(Enum):
+    """An event as the table sees it: `handle` tells a chunk with a generated token from
+    one without, and a deadline that is due from one that fired early."""
+
+    HEADERS = "UpstreamHeaders"
+    CHUNK = "UpstreamChunk"
+    TOKEN = "UpstreamChunk(token)"
+    EOF = "UpstreamEOF"
+    ERROR = "UpstreamError"
+    CLIENT_GONE = "ClientGone"
+    DEADLINE = "Deadline"
+    DEADLINE_EARLY = "Deadline(early)"
+    SHUTDOWN = "Shutdown"
+
+
+class Mode(Enum):
+    """FIRST_TOKEN: streaming with until=first_token; COMPLETION: every other request."""
+
+    FIRST_TOKEN = "first_token"
+    COMPLETION = "completion"
+
+
+State: TypeAlias = tuple[Client, Up]
+Row: TypeAlias = tuple[State, Decision]
+
+P, G = Client.PRESENT, Client.GONE
+AWAIT, BEFORE, STREAM, CLOSED = Up.AWAITING_HEADERS, Up.BEFORE_TOKEN, Up.STREAMING, Up.CLOSED
+
+_PHASE: dict[Up, Phase] = {
+    AWAIT: "before_headers",
+    BEFORE: "before_first_token",
+    STREAM: "streaming",
+}
+
+
+def _gone_rows(up: Up, chunk: Row, token: Row, eof: Row | None) -> dict[On, Row]:
+    """A drain under way: every way out of it, and what the upstream's bytes do meanwhile."""
+    rows: dict[On, Row] = {
+        On.ERROR: ((G, CLOSED), _CLOSE_AS["upstream_error"]),
+        On.DEADLINE: ((G, CLOSED), _CLOSE_AS["timeout"]),
+        On.DEADLINE_EARLY: ((G, up), KEEP_READING),  # re-arm at the deadline
+        On.SHUTDOWN: ((G, CLOSED), _CLOSE_AS["shutdown"]),
+    }
+    if up is AWAIT:
+        rows[On.HEADERS] = ((G, BEFORE), KEEP_READING)
+    else:
+        rows[On.CHUNK] = chunk
+        rows[On.TOKEN] = token
+    if eof is not None:
+        rows[On.EOF] = eof
+    return rows
+
+
+_COMPLETED: Row = ((G, CLOSED), _CLOSE_AS["completed"])
+
+_COMPLETION_ROWS: dict[State, dict[On, Row]] = {
+    (P, AWAIT): {
+        On.HEADERS: ((P, BEFORE), FORWARD),
+        On.ERROR: ((P, CLOSED), CLOSE),
+        On.CLIENT_GONE: ((G, AWAIT), KEEP_READING),
+        On.SHUTDOWN: ((P, CLOSED), CLOSE),
+    },
+    (P, BEFORE): {
+        On.CHUNK: ((P, BEFORE), FORWARD),
+        On.TOKEN: ((P, STREAM), FORWARD),
+        On.EOF: ((P, CLOSED), CLOSE),
+        On.ERROR: ((P, CLOSED), CLOSE),
+        On.CLIENT_GONE: ((G, BEFORE), KEEP_READING),
+        On.SHUTDOWN: ((P, CLOSED), CLOSE),
+    },
+    (P, STREAM): {
+        On.CHUNK: ((P, STREAM), FORWARD),
+        On.TOKEN: ((P, STREAM), FORWARD),
+        On.EOF: ((P, CLOSED), CLOSE),
+        On.ERROR: ((P, CLOSED), CLOSE),
+        On.CLIENT_GONE: ((G, STREAM), KEEP_READING),
+        On.SHUTDOWN: ((P, CLOSED), CLOSE),
+    },
+    (P, CLOSED): {
+        # The upstream was done before the client left: nothing to defer.
+        On.CLIENT_GONE: ((G, CLOSED), NO_OP),
+        On.DEADLINE: ((P, CLOSED), NO_OP),  # a timer that lost the race with the close
+        On.DEADLINE_EARLY: ((P, CLOSED), NO_OP),
+        On.SHUTDOWN: ((P, CLOSED), NO_OP),
+    },
+    (G, AWAIT): _gone_rows(AWAIT, ((G, AWAIT), DISCARD), ((G, AWAIT), DISCARD), None),
+    (G, BEFORE): _gone_rows(BEFORE, ((G, BEFORE), DISCARD), ((G, STREAM), DISCARD), _COMPLETED),
+    (G, STREAM): _gone_rows(STREAM, ((G, STREAM), DISCARD), ((G, STREAM), DISCARD), _COMPLETED),
+    (G, CLOSED): {
+        On.DEADLINE: ((G, CLOSED), NO_OP),
+        On.DEADLINE_EARLY: ((G, CLOSED), NO_OP),
+        On.SHUTDOWN: ((G, CLOSED), NO_OP),
+    },
+}
+# Streaming until the first token: a generated token ends the drain (decode holds the KV),
+# and a client that leaves after one was relayed leaves nothing to wait for.
+_FIRST_TOKEN_ROWS: dict[State, dict[On, Row]] = {
+    (G, BEFORE): {On.TOKEN: ((G, CLOSED), _CLOSE_AS["first_token"])},
+    (P, STREAM): {On.CLIENT_GONE: ((G, CLOSED), _CLOSE_AS["first_token"])},
+}
+
+
+def _merged(
+    base: dict[State, dict[On, Row]], over: dict[State, dict[On, Row]]
+) -> dict[State, dict[On, Row]]:
+    return {state: {**rows, **over.get(state, {})} for state, rows in base.items()}
+
+
+TRANSITIONS: Mapping[Mode, Mapping[State, Mapping[On, Row]]] = {
+    Mode.COMPLETION: _COMPLETION_ROWS,
+    Mode.FIRST_TOKEN: _merged(_COMPLETION_ROWS, _FIRST_TOKEN_ROWS),
+}
+
+
+class DrainMachine:
+    """One request's upstream lifetime. Feed every event to `handle`; obey its decision."""
+
+    def __init__(self, streaming: bool, until: DrainUntil, timeout_s: float) -> None:
+        if until not in ("first_token", "completion"):
+            raise ValueError(f"until must be first_token or completion, got {until!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.streaming = streaming
+        self.until: DrainUntil = until
+        self.timeout_s = timeout_s
+        mode = Mode.FIRST_TOKEN if streaming and until == "first_token" else Mode.COMPLETION
+        self._table = TRANSITIONS[mode]
+        self._client = Client.PRESENT
+        self._up = Up.AWAITING_HEADERS
+        # What the upstream had reached when it closed (for disconnects after the close).
+        self._up_reached = Up.AWAITING_HEADERS
+        self._gone_at: float | None = None
+        self._closed_at: float | None = None
+        self._phase: Phase | None = None
+        self._outcome: Outcome | None = None
+        self._was_deferred = False
+        self.discarded_chunks = 0
+        self.discarded_token_chunks = 0
+
+    # --- what the caller reads --------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return self._client, self._up
+
+    @property
+    def client_gone(self) -> bool:
+        return self._client is Client.GONE
+
+    @property
+    def upstream_closed(self) -> bool:
+        return self._up is Up.CLOSED
+
+    @property
+    def token_seen(self) -> bool:
+        """A chunk with a generated token came while the upstream was open."""
+        return Up.STREAMING in (self._up, self._up_reached)
+
+    @property
+    def deferred(self) -> bool:
+        """The client has gone and the upstream is still open: a drain is under way."""
+        return self._client is Client.GONE and self._up is not Up.CLOSED
+
+    @property
+    def was_deferred(self) -> bool:
+        """The upstream was ever kept open for a client that had gone (an in-progress
+        gauge incremented on entry must be decremented on close exactly when this holds)."""
+        return self._was_deferred
+
+    @property
+    def deadline(self) -> float | None:
+        """Monotonic time at which to send `Deadline`; None while no drain is under way."""
+        if not self.deferred:
+            return None
+        assert self._gone_at is not None
+        return self._gone_at + self.timeout_s
+
+    @property
+    def disconnect_phase(self) -> Phase | None:
+        """Where the response was when the client left (None: it has not left)."""
+        return self._phase
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """How the deferred cancellation ended; None if there was none (yet)."""
+        return self._outcome
+
+    def deferred_for(self, now: float) -> float:
+        """Seconds from the disconnect to the upstream close (or to `now`, if still open)."""
+        if self._gone_at is None:
+            return 0.0
+        end = self._closed_at if self._closed_at is not None else now
+        return max(0.0, end - self._gone_at)
+
+    # --- the transition function: classify, look up, apply ------------------------------
+
+    def handle(self, event: Event) -> Decision:
+        on = self._classify(event)
+        row = self._table[self._client, self._up].get(on)
+        if row is None:
+            raise DrainProtocolError(self._why_not(on))
+        (client, up), decision = row
+        if self._client is Client.GONE and on in (On.CHUNK, On.TOKEN):
+            self.discarded_chunks += 1
+            self.discarded_token_chunks += on is On.TOKEN
+        if on is On.CLIENT_GONE:
+            self._gone_at = event.now
+            self._phase = _PHASE[self._up if self._up is not Up.CLOSED else self._up_reached]
+            self._was_deferred = up is not Up.CLOSED
+        if up is Up.CLOSED and self._up is not Up.CLOSED:
+            self._up_reached = Up.STREAMING if on is On.TOKEN else self._up
+            self._closed_at = event.now
+        if isinstance(decision, CloseUpstream) and decision.outcome is not None:
+            self._outcome = decision.outcome
+        self._client, self._up = client, up
+        return decision
+
+    def _why_not(self, on: On) -> str:
+        """What the caller got wrong, for an event the table has no row for."""
+        name = on.value.split("(")[0]
+        if (on is On.CLIENT_GONE and self.client_gone) or (
+            on is On.HEADERS and self._up in (Up.BEFORE_TOKEN, Up.STREAMING)
+        ):
+            return f"{name} received twice"
+        if self._up is Up.CLOSED:
+            return f"{name} after the upstream was closed (outcome {self._outcome or 'none'})"
+        if on in (On.DEADLINE, On.DEADLINE_EARLY):
+            return "Deadline while no drain is under way (client present)"
+        if self._up is Up.AWAITING_HEADERS:
+            return f"{name} before UpstreamHeaders" + (" (send UpstreamError)" * (on is On.EOF))
+        return f"{name} in state {self._client.value}/{self._up.value}"
+
+    def _classify(self, event: Event) -> On:
+        if isinstance(event, UpstreamChunk):
+            return On.TOKEN if event.has_token else On.CHUNK
+        if isinstance(event, Deadline):
+            deadline = self.deadline
+            return (
+                On.DEADLINE_EARLY if deadline is not None and event.now < deadline else On.DEADLINE
+            )
+        try:
+            return _EVENT_KIND[type(event)]
+        except KeyError:
+            raise DrainProtocolError(f"unknown event {event!r}") from None
+
+    def __repr__(self) -> str:
+        return (
+            f"<DrainMachine streaming={self.streaming} until={self.until} "
+            f"upstream={self._up.value} client={self._client.value} "
+            f"outcome={self._outcome}>"
+        )
+
+
+_EVENT_KIND: dict[type, On] = {
+    UpstreamHeaders: On.HEADERS,
+    UpstreamEOF: On.EOF,
+    UpstreamError: On.ERROR,
+    ClientGone: On.CLIENT_GONE,
+    Shutdown: On.SHUTDOWN,
+}
+
+
+def label(decision: Decision) -> str:
+    """A decision as the table's rendering names it."""
+    if isinstance(decision, CloseUpstream):
+        return f"CloseUpstream({decision.outcome})"
+    return type(decision).__name__
+
+
+def _render(table: Mapping[Mode, Mapping[State, Mapping[On, Row]]]) -> str:
+    """The table as the docstring shows it: one line per state and event; the rows that
+    differ in mode first_token are marked with it."""
+    base, first = table[Mode.COMPLETION], table[Mode.FIRST_TOKEN]
+    lines = [
+        "    client   upstream          event                 -> next                   decision"
+    ]
+    for (client, up), rows in base.items():
+        for on, ((c2, u2), decision) in rows.items():
+            lines.append(_line(client, up, on, c2, u2, decision, ""))
+            alt = first[client, up].get(on)
+            if alt is not None and alt != ((c2, u2), decision):
+                (c3, u3), d3 = alt
+                lines.append(_line(client, up, on, c3, u3, d3, "  [first_token]"))
+        for on, ((c2, u2), decision) in first[client, up].items():
+            if on not in rows:
+                lines.append(_line(client, up, on, c2, u2, decision, "  [first_token]"))
+    return "\n".join(lines)
+
+
+def _line(client: Client, up: Up, on: On, c2: Client, u2: Up, d: Decision, tag: str) -> str:
+    return (
+        f"    {client.value:<8} {up.value:<17} {on.value:<21} -> "
+        f"{c2.value + '/' + u2.value:<22} {label(d)}{tag}"
+    )
+
+
+if __doc__:  # None under python -OO
+    __doc__ = __doc__.replace("{TRANSITIONS}", _render(TRANSITIONS))

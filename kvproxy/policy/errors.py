@@ -1,0 +1,359 @@
+"""The error vocabulary: every outcome kvproxy answers itself, its status, code and body.
+
+Pure data and functions (no aiohttp, no asyncio): admission, the parsers, the counter and
+the drain machine build outcomes from here without importing I/O. Turning a network
+exception into an outcome is `kvproxy.upstream.boundary.network_boundary` (the one exception seam);
+turning an outcome into an aiohttp response is `kvproxy.serve.replies.error_response`.
+
+Tree of what a request can end in, besides a relayed upstream response:
+
+    KvproxyError                      HTTP  code                        metric reason
+    ├── rejections (I7: nothing was sent upstream)
+    │   ├── context_length_exceeded   400   context_length_exceeded     context_length
+    │   ├── decode_budget_exceeded    400   context_length_exceeded     decode_budget
+    │   ├── invalid_request           400   invalid_request             invalid_request
+    │   ├── body_too_large            413   request_too_large           body_too_large
+    │   ├── unsupported_content_encoding 415 unsupported_content_encoding content_encoding
+    │   ├── body_read_timeout         408   request_timeout             body_read_timeout
+    │   ├── capacity_unknown          503   capacity_unknown            capacity_unknown
+    │   ├── count_unavailable         503   token_count_unavailable     count_unavailable
+    │   ├── over_budget               429   inflight_budget_exceeded    over_budget
+    │   ├── method_not_allowed        405   method_not_allowed          method_not_allowed
+    │   ├── route_not_found           404   route_not_found             route_not_found
+    │   └── model_not_found           404   model_not_found             model_not_found
+    └── upstream failures (UpstreamFailure, raised by kvproxy.upstream.boundary.network_boundary)
+        ├── upstream_unreachable      502   upstream_unreachable
+        ├── upstream_reset            502   upstream_reset
+        ├── upstream_timeout          504   upstream_timeout
+        ├── upstream_bad_response     502   upstream_bad_response
+        └── canary_violation          502   canary_violation
+
+Bodies follow OpenAI's `{"error": {...}}` shape for `/v1/*` and SGLang's flat shape for
+`/generate`, on every path (rejections, upstream failures, a canary block, an error event
+that ends a stream). `error_style(route)` is the one place that decides, from
+`STYLE_BY_ROUTE`; a route not listed gets OpenAI's shape. Messages never quote prompt or
+completion text (I8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import orjson
+
+ErrorStyle = Literal["openai", "sglang"]
+# The error shape a client of each route expects; a new route whose clients expect another
+# shape adds itself here (and its body builder to `KvproxyError.body`).
+# SGLang's native routes answer in its flat error shape; everything else (the OpenAI routes,
+# and /v1/messages, where smg answers in the same OpenAI shape) gets OpenAI's.
+STYLE_BY_ROUTE: dict[str, ErrorStyle] = {
+    "generate": "sglang",
+    "encode": "sglang",
+    "native_classify": "sglang",
+}
+
+
+def error_style(route: str | None) -> ErrorStyle:
+    """The error shape for a request on `route` (None: not an inference route)."""
+    return STYLE_BY_ROUTE.get(route or "", "openai")
+
+
+class ConfigError(Exception):
+    """A setting is invalid; the message is one line naming it (kvproxy.config.settings raises it,
+    and so does whatever compiles a setting, such as the canary rules)."""
+
+
+@dataclass(frozen=True)
+class KvproxyError(Exception):
+    """An outcome kvproxy answers itself: status, OpenAI error fields, metric reason."""
+
+    status: int
+    code: str
+    message: str
+    reason: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code}: {self.message}"
+
+    def body(self, style: ErrorStyle = "openai") -> bytes:
+        if style == "sglang":
+            return sglang_error_body(self.message, self.status, self.code, self.extra)
+        return openai_error_body(self.message, self.type, self.param, self.code, self.extra)
+
+
+def openai_error_body(
+    message: str,
+    type_: str,
+    param: str | None,
+    code: str,
+    extra: dict[str, Any] | None = None,
+) -> bytes:
+    err: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
+    if extra:
+        err.update(extra)
+    return orjson.dumps({"error": err})
+
+
+def sglang_error_body(
+    message: str, status: int, code: str, extra: dict[str, Any] | None = None
+) -> bytes:
+    # SGLang's flat shape (`{"object":"error",...,"code":400}`) plus our machine code, so a
+    # client of /generate can tell a kvproxy rejection from an engine error.
+    body: dict[str, Any] = {
+        "object": "error",
+        "message": message,
+        "type": "BadRequestError" if status < 500 else "ServiceUnavailableError",
+        "param": None,
+        "code": status,
+        "kvproxy_code": code,
+    }
+    if extra:
+        body.update(extra)
+    return orjson.dumps(body)
+
+
+def sse_error_event(err: KvproxyError, style: ErrorStyle) -> bytes:
+    """An error event to end a stream that already sent headers (canary block, upstream cut).
+    The relay forwards whole events only, so the client's stream is at an event boundary."""
+    return b"data: " + err.body(style) + b"\n\ndata: [DONE]\n\n"
+
+
+# --- constructors: the one definition of each outcome ------------------------------------
+
+
+def context_length_exceeded(
+    prompt_tokens: int,
+    limit_tokens: int,
+    limit_source: str,
+    param: str,
+    why: str,
+    *,
+    at_least: bool = False,
+) -> KvproxyError:
+    # at_least: counting stopped once the prompt was over the limit, so the number is a floor.
+    size = f"at least {prompt_tokens:,}" if at_least else f"{prompt_tokens:,}"
+    return KvproxyError(
+        status=400,
+        code="context_length_exceeded",
+        reason="context_length",
+        param=param,
+        message=(
+            f"prompt is {size} tokens; this deployment accepts at most "
+            f"{limit_tokens:,} ({why}). Shorten the prompt."
+        ),
+        extra={
+            "prompt_tokens": prompt_tokens,
+            "limit_tokens": limit_tokens,
+            "limit_source": limit_source,
+        },
+    )
+
+
+def decode_budget_exceeded(
+    prompt_tokens: int, output_tokens: int, decode_limit: int, limit_source: str
+) -> KvproxyError:
+    return KvproxyError(
+        status=400,
+        code="context_length_exceeded",
+        reason="decode_budget",
+        param="max_tokens",
+        message=(
+            f"prompt ({prompt_tokens:,} tokens) plus requested output ({output_tokens:,} "
+            f"tokens) is {prompt_tokens + output_tokens:,}; the decode KV pool holds at most "
+            f"{decode_limit:,}. Lower max_tokens or shorten the prompt."
+        ),
+        extra={
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "limit_tokens": decode_limit,
+            "limit_source": limit_source,
+        },
+    )
+
+
+def invalid_request(message: str, param: str | None = None) -> KvproxyError:
+    return KvproxyError(
+        status=400, code="invalid_request", reason="invalid_request", message=message, param=param
+    )
+
+
+def body_too_large(size: int | None, limit: int) -> KvproxyError:
+    got = f"request body is {size:,} bytes" if size is not None else "request body is larger"
+    return KvproxyError(
+        status=413,
+        code="request_too_large",
+        reason="body_too_large",
+        message=f"{got}; the limit is {limit:,} bytes (KVPROXY_MAX_BODY_BYTES)",
+    )
+
+
+def unsupported_content_encoding(detail: str, accepted: str) -> KvproxyError:
+    return KvproxyError(
+        status=415,
+        code="unsupported_content_encoding",
+        reason="content_encoding",
+        param="Content-Encoding",
+        message=f"{detail}; send the body uncompressed or as one of: {accepted}",
+        headers={"Accept-Encoding": accepted},
+    )
+
+
+def body_read_timeout(timeout_s: float) -> KvproxyError:
+    return KvproxyError(
+        status=408,
+        code="request_timeout",
+        reason="body_read_timeout",
+        message=f"request body was not received within {timeout_s:g} s",
+        # The rest of the body may still be on its way: this connection cannot be reused.
+        headers={"Connection": "close"},
+    )
+
+
+def capacity_unknown(retry_after_s: int, detail: str) -> KvproxyError:
+    return KvproxyError(
+        status=503,
+        code="capacity_unknown",
+        reason="capacity_unknown",
+        type="service_unavailable",
+        message=f"the engines' KV capacity is not known right now ({detail}); retry later",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def count_unavailable(detail: str) -> KvproxyError:
+    return KvproxyError(
+        status=503,
+        code="token_count_unavailable",
+        reason="count_unavailable",
+        type="service_unavailable",
+        message=f"the prompt could not be token-counted in time ({detail}); retry later",
+        headers={"Retry-After": "5"},
+    )
+
+
+def over_budget(retry_after_s: int, detail: str) -> KvproxyError:
+    return KvproxyError(
+        status=429,
+        code="inflight_budget_exceeded",
+        reason="over_budget",
+        type="rate_limit_error",
+        message=f"the in-flight budget is full ({detail}); retry later",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def budget_unavailable(retry_after_s: int) -> KvproxyError:
+    """Redis, which holds the cluster budget, cannot be reached and the operator chose
+    `redis_unavailable: reject`: refusing is the price of never over-committing the pool."""
+    return KvproxyError(
+        status=503,
+        code="budget_unavailable",
+        reason="budget_unavailable",
+        type="service_unavailable",
+        message="the cluster in-flight budget (Redis) is unavailable; retry later",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def method_not_allowed(method: str) -> KvproxyError:
+    return KvproxyError(
+        status=405,
+        code="method_not_allowed",
+        reason="method_not_allowed",
+        message=f"method {method} is not allowed on inference routes",
+    )
+
+
+def route_not_found(why: str) -> KvproxyError:
+    # The allowlist's refusal (kvproxy.policy.routes): never forwarded. `why` never quotes the path.
+    return KvproxyError(
+        status=404,
+        code="route_not_found",
+        reason="route_not_found",
+        message=f"kvproxy does not forward this request: {why}",
+    )
+
+
+def model_not_found(name: str | None, configured: tuple[str, ...]) -> KvproxyError:
+    # OpenAI's status, type and code for an unknown model, so its SDK raises NotFoundError.
+    # The name is the client's own and is cut short; the configured names are what an
+    # operator listed (they also answer on /v1/models).
+    said = "names no model" if name is None else f"names model {name[:128]!r}"
+    return KvproxyError(
+        status=404,
+        code="model_not_found",
+        reason="model_not_found",
+        message=(
+            f"the request {said}, which kvproxy has no policy for and no default_model is "
+            f"configured; configured models: {', '.join(configured[:32])}"
+        ),
+        param="model",
+    )
+
+
+def canary_violation() -> KvproxyError:
+    return KvproxyError(
+        status=502,
+        code="canary_violation",
+        reason="canary_violation",
+        type="server_error",
+        message="the response was withheld: it carried data that belongs to another tenant",
+    )
+
+
+def internal_error() -> KvproxyError:
+    return KvproxyError(
+        status=500,
+        code="internal_error",
+        reason="internal_error",
+        type="server_error",
+        message="kvproxy failed to handle this request; it has been logged",
+    )
+
+
+# What a network failure on an outgoing leg (the router, an engine probe, the gate's own
+# requests) was, as `kvproxy.upstream.boundary.network_boundary` classifies it.
+NetworkKind = Literal["timeout", "dns", "connect", "reset", "protocol"]
+
+# kind -> (status, code, message): one status, one body and one metric label per outcome.
+_UPSTREAM: dict[NetworkKind, tuple[int, str, str]] = {
+    "timeout": (504, "upstream_timeout", "the router did not answer in time"),
+    "dns": (502, "upstream_unreachable", "the router's host name did not resolve"),
+    "connect": (502, "upstream_unreachable", "the router is unreachable"),
+    "reset": (502, "upstream_reset", "the router closed the connection"),
+    "protocol": (502, "upstream_bad_response", "the router sent a malformed response"),
+}
+
+UPSTREAM_OUTCOMES = tuple(dict.fromkeys(code for _, code, _ in _UPSTREAM.values()))
+
+
+@dataclass(frozen=True)
+class UpstreamFailure(KvproxyError):
+    """A failed outgoing leg. `kind` is the classification; `cause` the exception's type
+    name (never its message, which could quote a URL or a body)."""
+
+    kind: NetworkKind = "protocol"
+    cause: str = ""
+
+
+def upstream_failure(kind: NetworkKind, cause: str = "") -> UpstreamFailure:
+    status, code, message = _UPSTREAM[kind]
+    return UpstreamFailure(
+        status=status,
+        code=code,
+        reason=code,
+        type="server_error",
+        message=message,
+        kind=kind,
+        cause=cause,
+    )
+
+
+def upstream_bad_response(detail: str) -> UpstreamFailure:
+    message = f"the router sent a malformed response ({detail})"
+    return replace(upstream_failure("protocol", detail), message=message)

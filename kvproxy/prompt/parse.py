@@ -1,0 +1,206 @@
+"""Prompt extraction: request bytes in, a `PromptShape` out. Pure functions, no I/O.
+
+Owns what the engine will tokenize and how much it was asked to generate. `parse_request`
+is the one entry point for every counted route; this module parses `/v1/completions` and
+SGLang `/generate` itself, chat lives in `prompt_chat`, the other routes in `prompt_routes`
+and `prompt_only`, and the shapes and scalar rules they share in `prompt_shape`. Every
+string a chat template can emit lands in the shape, so the token bound built on it covers
+what the engine will see (I1).
+
+Anything the engine would choke on, or that we could not bound, is a 400
+`invalid_request` naming the field. It must never quote the request's text in an error
+(I8): messages name fields and types only.
+
+Cost on the event loop: `orjson.loads` plus a walk over the message list; no per-character
+work happens here (that lives in `kvproxy.tokens`, off the loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvproxy.policy.errors import KvproxyError, invalid_request
+from kvproxy.prompt.chat import _chat
+from kvproxy.prompt.shape import (
+    _ROUTES,
+    CHAT_ROUTES,
+    MAX_N,
+    MAX_OUTPUT_TOKENS,
+    PromptShape,
+    Route,
+    SequencePrompt,
+    _bounded_int,
+    _load,
+    _max_of,
+    _n,
+    _opt_int,
+    _str_or_none,
+)
+
+__all__ = [
+    "CHAT_ROUTES",
+    "MAX_N",
+    "MAX_OUTPUT_TOKENS",
+    "PromptShape",
+    "Route",
+    "SequencePrompt",
+    "parse_request",
+    "route_for_path",
+]
+
+
+_CORE_ROUTES: frozenset[Route] = frozenset({"chat", "completions", "generate"})
+
+
+def route_for_path(path: str) -> Route | None:
+    """The counted inference route for a path; None for everything else (`kvproxy.policy.routes`
+    decides whether that is passed through or refused)."""
+    if len(path) > 1 and path.endswith("/"):
+        path = path.rstrip("/")
+    return _ROUTES.get(path)
+
+
+def parse_request(route: Route, body: bytes) -> PromptShape:
+    """Parse one request body. Raises a `KvproxyError` (400) naming the offending field."""
+    data = _load(body)
+    if route not in _CORE_ROUTES:
+        # Imported here: prompt_routes builds on this module's shapes and helpers.
+        from kvproxy.prompt import converted as prompt_routes
+
+        return prompt_routes.parse(route, data, len(body))
+    prompts: tuple[SequencePrompt, ...]
+    if route == "chat":
+        prompts, param = (_chat(data),), "messages"
+        out = _max_of(_opt_int(data, "max_tokens"), _opt_int(data, "max_completion_tokens"))
+        n = _n(data)
+    elif route == "completions":
+        prompts, param = _completions(data), "prompt"
+        out = _max_of(_opt_int(data, "max_tokens"), _opt_int(data, "max_completion_tokens"))
+        n = max(_n(data), _bounded_int(data.get("best_of"), "best_of", 1, MAX_N, 1))
+    else:
+        prompts, param = _generate(data)
+        out, n = _sampling(data.get("sampling_params"))
+    stream = data.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise invalid_request("stream must be a boolean", "stream")
+    return PromptShape(
+        route=route,
+        prompts=prompts,
+        max_output_tokens=out,
+        n=n,
+        stream=bool(stream),
+        body_bytes=len(body),
+        prompt_param=param,
+    )
+
+
+# --- completions and generate ------------------------------------------------------------
+
+
+def _completions(data: Mapping[str, Any]) -> tuple[SequencePrompt, ...]:
+    prompt = data.get("prompt")
+    suffix = _str_or_none(data.get("suffix"), "suffix")
+    extra = (suffix,) if suffix else ()
+    if isinstance(prompt, str):
+        return (SequencePrompt(texts=(prompt, *extra)),)
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid_request(
+            "prompt must be a string, an array of strings or an array of token ids", "prompt"
+        )
+    first = prompt[0]
+    if isinstance(first, str):
+        if not all(isinstance(x, str) for x in prompt):
+            raise invalid_request("prompt must not mix strings and other types", "prompt")
+        return tuple(SequencePrompt(texts=(x, *extra)) for x in prompt)
+    if isinstance(first, list):
+        return tuple(
+            SequencePrompt(token_ids=_ids(x, f"prompt[{i}]"), texts=extra)
+            for i, x in enumerate(prompt)
+        )
+    return (SequencePrompt(token_ids=_ids(prompt, "prompt"), texts=extra),)
+
+
+def _ids(ids: Any, param: str) -> int:
+    if not isinstance(ids, list) or not ids:
+        raise invalid_request(f"{param} must be a non-empty array of token ids", param)
+    # One C-level pass (about 8 ms per million ids); bool is rejected because type() is exact.
+    if set(map(type, ids)) != {int} or min(ids) < 0:
+        raise invalid_request(f"{param} must contain non-negative integers only", param)
+    return len(ids)
+
+
+def _generate(data: Mapping[str, Any]) -> tuple[tuple[SequencePrompt, ...], str]:
+    text, input_ids = data.get("text"), data.get("input_ids")
+    if data.get("input_embeds") is not None:
+        raise invalid_request("input_embeds is not supported through kvproxy", "input_embeds")
+    if (text is None) == (input_ids is None):
+        raise invalid_request("exactly one of text or input_ids is required", "text")
+    images = _media_count(data.get("image_data"), "image_data")
+    images += _media_count(data.get("video_data"), "video_data")
+    audios = _media_count(data.get("audio_data"), "audio_data")
+    if text is not None:
+        if isinstance(text, str):
+            texts: list[str] = [text]
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            texts = text
+        else:
+            raise invalid_request("text must be a string or a non-empty array of strings", "text")
+        seqs = tuple(SequencePrompt(texts=(t,), images=images, audios=audios) for t in texts)
+        return seqs, "text"
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        seqs = tuple(
+            SequencePrompt(token_ids=_ids(x, f"input_ids[{i}]"), images=images, audios=audios)
+            for i, x in enumerate(input_ids)
+        )
+        return seqs, "input_ids"
+    seq = SequencePrompt(token_ids=_ids(input_ids, "input_ids"), images=images, audios=audios)
+    return (seq,), "input_ids"
+
+
+def _media_count(value: Any, param: str) -> int:
+    """Items in image_data/audio_data, counted for every sequence (an over-count is safe).
+
+    Iterative on purpose: orjson accepts lists nested 1,023 deep, past Python's recursion
+    limit, and a RecursionError here would be a 500 instead of a count."""
+    if value is None:
+        return 0
+    if isinstance(value, (str, dict)):
+        return 1
+    if not isinstance(value, list):
+        raise invalid_request(f"{param} must be a string, an object or an array", param)
+    count, pending = 0, [value]
+    while pending:
+        for item in pending.pop():
+            if isinstance(item, list):
+                pending.append(item)
+            else:
+                count += 1
+    return count
+
+
+def _sampling(sp: Any) -> tuple[int | None, int]:
+    """SGLang's sampling_params: one object, or one per batch item."""
+    if sp is None:
+        return None, 1
+    items = sp if isinstance(sp, list) else [sp]
+    outs: list[int | None] = []
+    n = 1
+    for i, item in enumerate(items):
+        prefix = f"sampling_params[{i}]." if isinstance(sp, list) else "sampling_params."
+        if not isinstance(item, dict):
+            raise invalid_request(f"{prefix.rstrip('.')} must be an object", prefix.rstrip("."))
+        outs.append(_opt_int(item, "max_new_tokens", prefix))
+        n = max(n, _bounded_int(item.get("n"), prefix + "n", 1, MAX_N, 1))
+    return _max_of(*outs), n
+
+
+__all__ = [
+    "CHAT_ROUTES",
+    "KvproxyError",
+    "PromptShape",
+    "Route",
+    "SequencePrompt",
+    "parse_request",
+    "route_for_path",
+]

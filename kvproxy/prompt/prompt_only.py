@@ -1,0 +1,139 @@
+"""Prompt extraction for the prompt-only routes: `/v1/embeddings`, `/v1/classify`,
+`/v1/rerank` (and `/rerank`), `/v1/score`, and SGLang's `/encode` and `/classify`.
+
+Each input is one sequence the engine prefills; nothing is generated, so the input limit
+applies to every sequence (I1) and no decode budget is asked for (I4 does not apply). Shapes
+follow SGLang's request types (`EmbeddingRequest`, `ClassifyRequest`, `V1RerankReqInput`,
+`ScoringRequest`, `EmbeddingReqInput` in python/sglang/srt/entrypoints/openai/protocol.py and
+managers/io_struct.py). Pure functions, no I/O; a 400 names the field and never quotes text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvproxy.policy.errors import invalid_request
+from kvproxy.prompt.parse import SequencePrompt, _ids, _media_count
+
+# Tokens allowed per pair for a reranker's prompt wrapper, added to every pair's count: a
+# cross-encoder adds ~3 special tokens; Qwen3-Reranker's published prompt format wraps each
+# pair in ~90 (a fixed system prompt, <Instruct>/<Query>/<Document> labels, a default
+# instruction when none is sent, and an empty think block). 256 covers both with room.
+RERANK_OVERHEAD_TOKENS = 256
+
+# --- prompt-only routes ---------------------------------------------------------------------
+
+_Parsed = tuple[tuple[SequencePrompt, ...], str]
+
+
+def _embeddings(data: Mapping[str, Any]) -> _Parsed:
+    """OpenAI `input`: a string, strings, token ids, or lists of token ids; each a sequence.
+    Multimodal objects are refused: SGLang renders them through a template kvproxy lacks."""
+    value = data.get("input")
+    if isinstance(value, str):
+        return (SequencePrompt(texts=(value,)),), "input"
+    if not isinstance(value, list) or not value:
+        raise invalid_request(
+            "input must be a string, an array of strings or an array of token ids", "input"
+        )
+    first = value[0]
+    if isinstance(first, str):
+        if not all(isinstance(x, str) for x in value):
+            raise invalid_request("input must not mix strings and other types", "input")
+        return tuple(SequencePrompt(texts=(x,)) for x in value), "input"
+    if isinstance(first, list):
+        seqs = tuple(SequencePrompt(token_ids=_ids(x, f"input[{i}]")) for i, x in enumerate(value))
+        return seqs, "input"
+    return (SequencePrompt(token_ids=_ids(value, "input")),), "input"
+
+
+def _rerank(data: Mapping[str, Any]) -> _Parsed:
+    query = data.get("query")
+    if not isinstance(query, str):
+        raise invalid_request("query must be a string", "query")
+    docs = data.get("documents")
+    if not isinstance(docs, list) or not docs:
+        raise invalid_request("documents must be a non-empty array of strings", "documents")
+    extra: tuple[str, ...] = ()
+    instruct = data.get("instruct")
+    if instruct is not None:
+        if not isinstance(instruct, str):
+            raise invalid_request("instruct must be a string", "instruct")
+        extra = (instruct,)
+    seqs = []
+    for i, doc in enumerate(docs):
+        if not isinstance(doc, str):
+            raise invalid_request(f"documents[{i}] must be a string", f"documents[{i}]")
+        seqs.append(SequencePrompt(texts=(query, doc, *extra), token_ids=RERANK_OVERHEAD_TOKENS))
+    return tuple(seqs), "documents"
+
+
+def _score(data: Mapping[str, Any]) -> _Parsed:
+    """SGLang's scoring: one prefill per item of query + item (serving_score.py)."""
+    query, items = data.get("query"), data.get("items")
+    if isinstance(items, str):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        raise invalid_request("items must be a string or a non-empty array", "items")
+    if isinstance(query, str):
+        if not all(isinstance(x, str) for x in items):
+            raise invalid_request("items must be strings when query is a string", "items")
+        return tuple(SequencePrompt(texts=(query, x)) for x in items), "items"
+    if not isinstance(query, list):
+        raise invalid_request("query must be a string or an array of token ids", "query")
+    q = _ids(query, "query")
+    seqs = tuple(SequencePrompt(token_ids=q + _ids(x, f"items[{i}]")) for i, x in enumerate(items))
+    return seqs, "items"
+
+
+def _encode(data: Mapping[str, Any]) -> _Parsed:
+    """SGLang's EmbeddingReqInput (`/encode`, `/classify`): text, text pairs or input_ids."""
+    if data.get("input_embeds") is not None:
+        raise invalid_request("input_embeds is not supported through kvproxy", "input_embeds")
+    text, input_ids = data.get("text"), data.get("input_ids")
+    if text is None and input_ids is None and "input" in data:
+        # vLLM's /classify takes the OpenAI `input` shape instead.
+        return _embeddings(data)
+    if (text is None) == (input_ids is None):
+        raise invalid_request("exactly one of text or input_ids is required", "text")
+    images = _media_count(data.get("image_data"), "image_data")
+    images += _media_count(data.get("video_data"), "video_data")
+    audios = _media_count(data.get("audio_data"), "audio_data")
+    if input_ids is not None:
+        if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+            counts = [_ids(x, f"input_ids[{i}]") for i, x in enumerate(input_ids)]
+        else:
+            counts = [_ids(input_ids, "input_ids")]
+        return tuple(
+            SequencePrompt(token_ids=n, images=images, audios=audios) for n in counts
+        ), "input_ids"
+    texts: list[tuple[str, ...]]
+    if isinstance(text, str):
+        texts = [(text,)]
+    elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        texts = [(t,) for t in text]
+    elif isinstance(text, list) and text and all(_str_pair(t) for t in text):
+        texts = [tuple(t) for t in text]  # cross-encoder pairs: one sequence each
+    else:
+        raise invalid_request(
+            "text must be a string, an array of strings or an array of string pairs", "text"
+        )
+    return tuple(SequencePrompt(texts=t, images=images, audios=audios) for t in texts), "text"
+
+
+PROMPT_ONLY: dict[str, Callable[[Mapping[str, Any]], _Parsed]] = {
+    "embeddings": _embeddings,
+    "classify": _embeddings,  # /v1/classify takes the embeddings `input` shape
+    "rerank": _rerank,
+    "score": _score,
+    "encode": _encode,
+    "native_classify": _encode,  # SGLang's /classify takes EmbeddingReqInput, like /encode
+}
+
+
+def _str_pair(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(isinstance(s, str) for s in value)
+
+
+__all__ = ["PROMPT_ONLY", "RERANK_OVERHEAD_TOKENS"]

@@ -1,0 +1,310 @@
+"""Builds the public and admin aiohttp apps and owns the lifecycle.
+
+Lifecycle (explicit, like uvicorn's Server):
+  start: probe session and upstream pool -> capacity monitor (first probe in the
+         background) -> token counter -> watchers -> admin site -> public site.
+  stop:  readiness false and the public port closed (no new connections) -> wait for
+         in-flight and deferred requests up to `shutdown_grace_s` -> hard stop: deferred
+         drains still open end as `shutdown` -> close sites, monitor, counter, pool, session.
+The admin site stays up until the very end so Prometheus can scrape the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from kvproxy.config.settings import Settings
+from kvproxy.observe.metrics import Metrics
+from kvproxy.policy.tenants import TenantResolver
+from kvproxy.response.tripwire import CanaryRules
+from kvproxy.serve.handler import SERVICES_KEY, STATE_KEY, handle
+from kvproxy.serve.models import build_table
+from kvproxy.serve.state import ServerState, Services
+from kvproxy.serve.watch import DisconnectWatcher, LoopLagMonitor, release_heap, settle_heap
+from kvproxy.tokens import TokenCounter
+from kvproxy.upstream.pool import UpstreamPool
+
+log = logging.getLogger("kvproxy.app")
+
+# Time for in-progress handlers to return after the hard stop fired (they only have to
+# close upstream sockets and write a last line).
+FINAL_CLEANUP_S = 5.0
+
+
+class KvproxyServer:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        *,
+        counter: TokenCounter | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self._counter = counter
+        self._state: ServerState | None = None
+        self._services: Services | None = None
+        self._public: web.AppRunner | None = None
+        self._admin: web.AppRunner | None = None
+        self._public_site: web.TCPSite | None = None
+        self.public_port = 0
+        self.admin_port = 0
+
+    @property
+    def state(self) -> ServerState:
+        assert self._state is not None, "server not started"
+        return self._state
+
+    @property
+    def services(self) -> Services:
+        assert self._services is not None, "server not started"
+        return self._services
+
+    @property
+    def public_url(self) -> str:
+        host, _ = self.settings.listen_host_port
+        return f"http://{_url_host(host)}:{self.public_port}"
+
+    @property
+    def admin_url(self) -> str:
+        host, _ = self.settings.admin_host_port
+        return f"http://{_url_host(host)}:{self.admin_port}"
+
+    async def start(self) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        connector = aiohttp.TCPConnector(
+            limit=s.upstream_max_connections,
+            keepalive_timeout=s.upstream_keepalive_s,
+            enable_cleanup_closed=True,
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=s.upstream_connect_timeout_s,
+                sock_read=s.upstream_read_timeout_s,
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        try:
+            # One bundle per model (kvproxy.serve.models); the single-model form is one of them.
+            models = await build_table(s, self.metrics, session, counter=self._counter)
+        except BaseException:
+            # A tokenizer that cannot be loaded (a missing extra, a bad path) ends the start
+            # with one line; the session made above must not leak an "Unclosed" warning too.
+            await session.close()
+            raise
+        first = models.models[0]
+        self._services = services = Services(
+            settings=s,
+            metrics=self.metrics,
+            session=session,
+            upstream=UpstreamPool(
+                limit=s.upstream_max_connections,
+                keepalive_s=s.upstream_keepalive_s,
+                connect_timeout_s=s.upstream_connect_timeout_s,
+                read_timeout_s=s.upstream_read_timeout_s,
+            ),
+            watcher=DisconnectWatcher(),
+            lag=LoopLagMonitor(self.metrics),
+            models=models,
+            tenants=TenantResolver(s),
+            canaries=CanaryRules.from_settings(s),
+        )
+        self._state = state = ServerState(hard_stop=loop.create_future())
+        state.idle.set()
+        # Read at scrape time: a gauge write per request start and end was measurable.
+        self.metrics.inflight.set_function(lambda: state.inflight)
+        for canary in s.canaries:
+            self.metrics.canary_violations.labels(canary.tenant)
+        for m in models.models:
+            prefix = "" if models.match_all else f"model {m.name}: "
+            log.info("%stoken counting: %s", prefix, m.counter.describe())
+        self.metrics.set_tokenizer_backend(first.counter.backend)
+        await models.start()
+        services.watcher.start()
+        settle_heap()  # before the lag monitor's first tick: start-up garbage is not a stall
+        services.lag.start()
+
+        self._admin = web.AppRunner(self._admin_app(), access_log=None)
+        await self._admin.setup()
+        host, port = s.admin_host_port
+        admin_site = web.TCPSite(self._admin, host, port)
+        await admin_site.start()
+        self.admin_port = _bound_port(admin_site)
+
+        self._public = web.AppRunner(
+            self._public_app(),
+            access_log=None,
+            handler_cancellation=False,  # I5: a client leaving must not cancel the handler
+            # Bodies arrive as sent: kvproxy.serve.body decides what a Content-Encoding means,
+            # for counted and pass-through routes alike.
+            auto_decompress=False,
+            shutdown_timeout=FINAL_CLEANUP_S,
+        )
+        await self._public.setup()
+        # aiohttp has no header-read timeout: wrap its protocol factory so a connection that
+        # never completes a request head (slowloris) is closed instead of held forever.
+        self._public._server = _HeaderDeadline(  # type: ignore[assignment]
+            self._public.server, s.header_read_timeout_s
+        )
+        host, port = s.listen_host_port
+        self._public_site = web.TCPSite(self._public, host, port, backlog=1024)
+        await self._public_site.start()
+        self.public_port = _bound_port(self._public_site)
+        log.info(
+            "kvproxy listening",
+            extra={
+                "fields": {
+                    "public": self.public_url,
+                    "admin": self.admin_url,
+                    "upstream": s.upstream,
+                }
+            },
+        )
+
+    def _public_app(self) -> web.Application:
+        # client_max_size is enforced by our own reader (413 with a JSON body), not aiohttp's.
+        app = web.Application(client_max_size=self.settings.max_body_bytes + 1)
+        app[STATE_KEY] = self.state
+        app[SERVICES_KEY] = self.services
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+    def _admin_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", make_aiohttp_handler(self.metrics.registry))
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/capacity", self._capacity)
+        app.router.add_get("/tripwire", self._tripwire)
+        return app
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        state, models = self.state, self.services.models
+        if state.stopping:
+            return _json({"ready": False, "reason": "shutting down"}, 503)
+        if not models.match_all:
+            if not models.ready():
+                return _json({"ready": False, "reason": models.not_ready_reason()}, 503)
+            return _json({"ready": True})
+        if not models.first.capacity.ready():
+            return _json({"ready": False, "reason": "capacity unknown"}, 503)
+        if models.first.capacity.posture.blocks_ready():
+            return _json({"ready": False, "reason": "engine posture (posture_action)"}, 503)
+        return _json({"ready": True})
+
+    async def _capacity(self, request: web.Request) -> web.Response:
+        models = self.services.models
+        if not models.match_all:
+            # Grouped by model: one model's engines and limits say nothing about another's.
+            return _json({"readiness": models.readiness, "models": models.snapshot_json()})
+        return _json(
+            {
+                **self.services.models.first.capacity.snapshot_json(),
+                "budget": self.services.models.first.budget.describe_json(),
+            }
+        )
+
+    async def _tripwire(self, request: web.Request) -> web.Response:
+        # What `kvproxy canary` needs to say why the tripwire withheld nothing: whose tenant
+        # header is believed and which tenants have canaries. Tenant names only: never the
+        # markers, patterns or tenant tokens.
+        s = self.settings
+        return _json(
+            {
+                "tenant_header": s.tenant_header,
+                "trust_tenant_header": s.trust_tenant_header,
+                "canary_action": s.canary_action,
+                "canary_tenants": sorted({c.tenant for c in s.canaries}),
+            }
+        )
+
+    async def stop(self) -> None:
+        """Graceful: stop accepting, wait for in-flight and deferred requests, then close."""
+        state, services = self._state, self._services
+        if state is None or services is None:
+            return
+        state.stopping = True
+        # Queued requests were never forwarded: tell them now (429) rather than at the end.
+        services.models.reject_waiting()
+        if self._public_site is not None:
+            await self._public_site.stop()
+        if state.inflight:
+            log.info(
+                "draining %d in-flight requests (grace %.0f s)",
+                state.inflight,
+                self.settings.shutdown_grace_s,
+            )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.idle.wait(), self.settings.shutdown_grace_s)
+        if not state.hard_stop.done():
+            state.hard_stop.set_result(None)
+        if state.inflight:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.idle.wait(), FINAL_CLEANUP_S)
+        if self._public is not None:
+            await self._public.cleanup()
+        await services.watcher.stop()
+        await services.lag.stop()
+        await services.models.stop_capacity()
+        await services.models.aclose()
+        await services.upstream.close()
+        await services.session.close()
+        if self._admin is not None:
+            await self._admin.cleanup()
+        self._state = self._services = None
+        release_heap()
+
+
+class _HeaderDeadline:
+    """Protocol factory around aiohttp's: closes a connection whose first request head has
+    not been parsed `timeout_s` after it was accepted. Everything else is delegated."""
+
+    def __init__(self, server: web.Server | None, timeout_s: float) -> None:
+        assert server is not None
+        self._server = server
+        self._timeout_s = timeout_s
+
+    def __call__(self) -> Any:
+        handler = self._server()
+        asyncio.get_running_loop().call_later(self._timeout_s, _cut_if_headless, handler)
+        return handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+def _cut_if_headless(handler: Any) -> None:
+    # `_request_count` counts request heads parsed on this connection (aiohttp 3.9+).
+    if getattr(handler, "_request_count", 1) == 0 and handler.transport is not None:
+        handler.transport.close()
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _bound_port(site: web.TCPSite) -> int:
+    # uvloop's Server is not an asyncio.Server, but both expose `sockets`.
+    sockets = getattr(site._server, "sockets", None) or []
+    return int(sockets[0].getsockname()[1])
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,401 @@
+"""One connection of the relay's upstream client (kvproxy/upstream/pool.py) and the response it
+is reading: llhttp's callbacks (httptools) turned into a head, a body read as it arrives
+with flow control, and the read timeout (one timer for the connection's life).
+
+Raises into the reader (kvproxy.upstream.boundary classifies them): ConnectionResetError (the upstream
+closed before the response ended), TimeoutError, UpstreamProtocolError.
+
+Must never: take bytes with no request outstanding, reuse itself after a response it could
+not read to the end, or hold more than READ_HIGH_WATER unread body bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import TYPE_CHECKING
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from kvproxy.upstream.origin import Origin
+
+if TYPE_CHECKING:
+    from kvproxy.upstream.pool import UpstreamPool
+
+# Unread body bytes of one response before its socket stops being read.
+READ_HIGH_WATER = 1 << 20
+# A request body above this goes out in pieces of this size, each once the socket drained.
+WRITE_PIECE = 256 * 1024
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+
+class UpstreamProtocolError(Exception):
+    """The upstream sent bytes that are not a readable HTTP/1.1 response."""
+
+
+class UpstreamConnectError(ConnectionError):
+    """No connection to the upstream could be opened; `dns` when its name did not resolve."""
+
+    def __init__(self, message: str, *, dns: bool = False) -> None:
+        super().__init__(message)
+        self.dns = dns
+
+
+class UpstreamResponse:
+    """One response: its head, and its body as it arrives. Not reusable."""
+
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_eof",
+        "_exc",
+        "_released",
+        "_size",
+        "_waiter",
+        "close_delimited",
+        "headers",
+        "keep_alive",
+        "reason",
+        "status",
+    )
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.keep_alive = False
+        self.close_delimited = False
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._size = 0
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._released = False
+
+    # --- reading (the relay) ------------------------------------------------------------
+
+    def read_nowait(self) -> bytes:
+        """What arrived and was not read yet (b"" when nothing did); raises the failure
+        once nothing is left to read."""
+        if self._chunks:
+            return self._take()
+        if self._exc is not None:
+            raise self._exc
+        return b""
+
+    async def readany(self) -> bytes:
+        """The next bytes of the body; b"" at its end."""
+        while not self._chunks:
+            if self._exc is not None:
+                raise self._exc
+            if self._eof:
+                return b""
+            await self._wait()
+        return self._take()
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._chunks
+
+    def release(self) -> None:
+        """Done with it: the connection goes back to the pool if the body was read to its
+        end and the upstream keeps it alive, else it is closed."""
+        if self._released:
+            return
+        self._released = True
+        conn = self._conn
+        if self.at_eof() and self._exc is None and self.keep_alive:
+            conn.done_with(self)
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        """Abort: the connection is dropped whatever was read (upstream cancellation)."""
+        if not self._released:
+            self._released = True
+            self._conn.abort()
+
+    def _take(self) -> bytes:
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._size = 0
+        self._conn.resume_reading()
+        return data
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # --- fed by the connection ----------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size > READ_HIGH_WATER:
+            self._conn.pause_reading()
+        self._wake()
+
+    def _end(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._exc is None and not self._eof:
+            self._exc = exc
+        self._wake()
+
+
+class Connection(asyncio.Protocol):
+    """One connection and the response it is reading (at most one)."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.head: asyncio.Future[UpstreamResponse] | None = None
+        self.closed = False
+        self.reusable = True
+        self.idle_since = 0.0
+        self.last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading_paused = False
+        self._write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._interim = False
+        self._reason = bytearray()
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._no_body = False
+
+    # --- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's quacks like one
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_timer()
+        resp = self.response
+        if resp is not None and not resp._eof:
+            if exc is None and resp.close_delimited:
+                resp._end()  # the close is this body's end
+            else:
+                resp._fail(ConnectionResetError("the upstream closed the connection mid-response"))
+        self._head_failed(ConnectionResetError("the upstream closed the connection"))
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_exception(ConnectionResetError("the upstream closed the connection"))
+        self.pool._forget(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_read = time.monotonic()
+        if self.response is None:
+            self._protocol_error("bytes arrived with no request outstanding")
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._protocol_error("the upstream switched protocols")
+        except httptools.HttpParserError as exc:
+            self._protocol_error(f"unreadable response ({exc})")
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: connection_lost ends or fails the response
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    # --- llhttp callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        resp = self.response
+        if resp is None or resp.status:
+            # A second response to one request: the stream is out of step with requests.
+            raise UpstreamProtocolError("a response arrived with no request outstanding")
+
+    def on_status(self, status: bytes) -> None:
+        self._reason += status  # may come in pieces
+
+    def on_header(self, name: bytes, value: bytes | None) -> None:
+        self._headers.append((name, value or b""))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            # An interim response (100 Continue, 103 Early Hints): the real one follows.
+            self._interim = True
+            self._headers.clear()
+            self._reason.clear()
+            return
+        resp = self.response
+        assert resp is not None
+        headers: CIMultiDict[str] = CIMultiDict()
+        chunked = has_length = False
+        for name, value in self._headers:
+            key = name.decode("latin-1")
+            text = value.decode("utf-8", "surrogateescape")
+            headers.add(key, text)
+            lk = key.lower()
+            if lk == "content-length":
+                has_length = True
+            elif lk == "transfer-encoding" and "chunked" in text.lower():
+                chunked = True
+        self._headers = []
+        resp.status = status
+        resp.reason = self._reason.decode("latin-1")
+        resp.headers = CIMultiDictProxy(headers)
+        resp.keep_alive = self.parser.should_keep_alive()
+        no_body = self._no_body or status in _NO_BODY_STATUSES
+        resp.close_delimited = not (no_body or chunked or has_length)
+        if resp.close_delimited:
+            self.reusable = False
+        head = self.head
+        if head is not None and not head.done():
+            head.set_result(resp)
+        if self._no_body:
+            # A HEAD's Content-Length describes a body that never comes; llhttp would wait
+            # for it, so the response ends here and the connection is not reused.
+            self.reusable = False
+            resp._end()
+
+    def on_body(self, body: bytes) -> None:
+        resp = self.response
+        if resp is not None and not self._no_body:
+            resp._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        resp = self.response
+        if resp is not None:
+            resp._end()
+
+    # --- the pool's side ----------------------------------------------------------------
+
+    def send(self, head: bytes, body: bytes, *, no_body: bool) -> None:
+        """Write the head (and a small body) now; the response comes later."""
+        assert self.transport is not None
+        assert self.response is None
+        self.response = UpstreamResponse(self)
+        self.head = head_future = asyncio.get_running_loop().create_future()
+        head_future.add_done_callback(self._head_settled)
+        self._no_body = no_body
+        self._interim = False
+        self._reason.clear()
+        self._headers = []
+        self.last_read = time.monotonic()
+        self._arm_timer()
+        if len(body) <= WRITE_PIECE:
+            self.transport.writelines((head, body)) if body else self.transport.write(head)
+        else:
+            self.transport.write(head)
+
+    async def send_rest(self, body: bytes) -> None:
+        """Write a large body in pieces, waiting for the socket to drain between them."""
+        view = memoryview(body)
+        for start in range(0, len(body), WRITE_PIECE):
+            if self.closed:
+                raise ConnectionResetError("the upstream closed the connection mid-request")
+            if self._write_paused:
+                self._drained = asyncio.get_running_loop().create_future()
+                try:
+                    await self._drained
+                finally:
+                    self._drained = None
+            assert self.transport is not None
+            self.transport.write(view[start : start + WRITE_PIECE])
+
+    def done_with(self, resp: UpstreamResponse) -> None:
+        self.response = None
+        self.head = None
+        if self.closed or not self.reusable:
+            self.abort()
+            return
+        self.idle_since = time.monotonic()
+        self.pool._put(self)
+
+    def abort(self) -> None:
+        self._cancel_timer()
+        if not self.closed and self.transport is not None:
+            self.transport.abort()
+        self.closed = True
+        self.pool._forget(self)
+
+    def pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None and not self.closed:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None and not self.closed:
+            self._reading_paused = False
+            self.last_read = time.monotonic()  # the wait was the client's, not the upstream's
+            self.transport.resume_reading()
+
+    def _head_settled(self, head: asyncio.Future[UpstreamResponse]) -> None:
+        if head.cancelled():
+            self.abort()  # the caller gave up on the response: an upstream cancellation
+
+    def _head_failed(self, exc: BaseException) -> None:
+        head = self.head
+        if head is not None and not head.done():
+            head.set_exception(exc)
+
+    def _protocol_error(self, why: str) -> None:
+        err = UpstreamProtocolError(why)
+        if self.response is not None:
+            self.response._fail(err)
+        self._head_failed(err)
+        self.abort()
+
+    # --- the read timeout ---------------------------------------------------------------
+
+    def _arm_timer(self) -> None:
+        if self._timer is None:
+            timeout = self.pool.read_timeout_s
+            self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        # Kept for the connection's life rather than set and cancelled per request: the
+        # timer heap work would be a measurable part of a small request's cost.
+        self._timer = None
+        if self.closed:
+            return
+        timeout = self.pool.read_timeout_s
+        if self.response is None or self.response._eof:
+            self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timer)
+            return
+        quiet = time.monotonic() - self.last_read
+        if self._reading_paused or quiet < timeout:
+            # Data came meanwhile, or the relay is the slow side: look again later.
+            wait = timeout if self._reading_paused else timeout - quiet
+            self._timer = asyncio.get_running_loop().call_later(wait, self._on_timer)
+            return
+        err = TimeoutError(f"no bytes from the upstream for {timeout:g} s")
+        self.response._fail(err)
+        self._head_failed(err)
+        self.abort()
