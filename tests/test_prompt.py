@@ -8,7 +8,9 @@ import orjson
 import pytest
 
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import MAX_OUTPUT_TOKENS, parse_request, route_for_path
+from kvproxy.policy.routes import route_for_path
+from kvproxy.prompt import MAX_OUTPUT_TOKENS
+from kvproxy.prompt.parse import parse_request
 
 
 def parse(route: str, body: Any) -> Any:

@@ -10,7 +10,8 @@ import pytest
 
 from kvproxy.policy.clamp import clamp_output
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import PromptShape, parse_request
+from kvproxy.prompt import PromptShape
+from kvproxy.prompt.parse import parse_request
 from kvproxy.prompt.prompt_only import RERANK_OVERHEAD_TOKENS
 
 

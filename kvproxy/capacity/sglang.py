@@ -39,6 +39,7 @@ from kvproxy.capacity.measurement import EngineMeasurement, Findings, ProbeError
 from kvproxy.capacity.reports import (
     HttpStatusError,
     Reports,
+    Sample,
     fetch_json,
     fetch_text,
     object_list,
@@ -47,7 +48,7 @@ from kvproxy.capacity.reports import (
 )
 from kvproxy.capacity.sglang_args import read_server_args
 from kvproxy.config.settings import EngineSpec
-from kvproxy.posture.engine import read_posture
+from kvproxy.posture.engine import FAILURE_COUNTERS, read_posture
 
 GAUGE_POOL = "sglang:max_total_num_tokens"
 GAUGE_CONTEXT = "sglang:context_len"
@@ -283,8 +284,18 @@ def measure_sglang(
         notes=tuple(found.notes),
         fields_present=tuple(args.present),
         fields_absent=tuple(args.absent),
-        posture=read_posture(server_info, metrics_text),
+        posture=read_posture(server_info, failure_counters(metrics_text)),
     )
+
+
+def failure_counters(metrics_text: str | None) -> dict[str, list[Sample]] | None:
+    """The engine failure counters posture reads, from one /metrics exposition."""
+    if metrics_text is None:
+        return None
+    try:
+        return parse_prometheus(metrics_text, FAILURE_COUNTERS.values())
+    except ProbeError:  # a malformed counter line: "not exported", not a failed probe
+        return {}
 
 
 async def _server_info(

@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from kvproxy.policy.errors import KvproxyError, invalid_request
-from kvproxy.prompt.parse import Route
+from kvproxy.policy.routes import Route
 
 
 def clamp_output(body: bytes, route: Route, cap: int) -> bytes:

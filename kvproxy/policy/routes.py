@@ -4,7 +4,7 @@ which it refuses. Pure functions, no I/O.
 I1 holds for every request the upstream can serve only if nothing reaches an inference
 handler uncounted, so routing fails closed:
 
-- **counted**: the inference routes (`kvproxy.prompt.parse.route_for_path`), POST only; any other
+- **counted**: the inference routes (`route_for_path`), POST only; any other
   method is a 405 (SGLang also serves PUT on /generate, /encode, /classify and /v1/rerank:
   refused here rather than forwarded uncounted);
 - **pass-through**: read-only routes that carry no prompt to a KV cache (health, models,
@@ -35,10 +35,50 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvproxy.prompt.parse import Route, route_for_path
-from kvproxy.prompt.shape import _ROUTES
-
 RouteKind = Literal["counted", "passthrough", "refused"]
+
+# --- the counted inference routes: the vocabulary kvproxy.prompt parses -------------------
+
+Route = Literal[
+    "chat",
+    "completions",
+    "generate",
+    # Parsed by kvproxy.prompt as chat (converted) or as prompt-only requests.
+    "responses",
+    "messages",
+    "embeddings",
+    "classify",
+    "rerank",
+    "score",
+    "encode",
+    "native_classify",
+]
+
+ROUTE_PATHS: dict[str, Route] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/generate": "generate",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/embeddings": "embeddings",
+    "/v1/classify": "classify",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v1/score": "score",
+    "/encode": "encode",
+    "/classify": "native_classify",
+}
+# Routes whose sequences are chat messages rendered by the chat template.
+CHAT_ROUTES: frozenset[Route] = frozenset({"chat", "responses", "messages"})
+
+
+def route_for_path(path: str) -> Route | None:
+    """The counted inference route for a path; None for everything else (the allowlist
+    below decides whether that is passed through or refused)."""
+    if len(path) > 1 and path.endswith("/"):
+        path = path.rstrip("/")
+    return ROUTE_PATHS.get(path)
+
 
 # Read-only routes of smg 1.13 (model_gateway/src/server.rs `public_routes`, plus its
 # tokenize pair) and SGLang (python/sglang/srt/entrypoints/http_server.py), by method.
@@ -171,7 +211,7 @@ def parse_passthrough(entries: Iterable[str]) -> RouteTable:
         # A wildcard covers what is under its prefix (`/v1/responses/*` leaves the counted
         # `/v1/responses`, and its trailing-slash spelling, counted: classify looks those up
         # first); it may not cover a counted route.
-        if (wildcard and any(p.startswith(prefix) for p in _ROUTES)) or (
+        if (wildcard and any(p.startswith(prefix) for p in ROUTE_PATHS)) or (
             not wildcard and route_for_path(bare) is not None
         ):
             raise ValueError(f"{entry!r}: a counted inference route cannot be passed through")

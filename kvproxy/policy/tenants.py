@@ -20,10 +20,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvproxy.config.settings import Settings
+from typing import Protocol
 
 MAX_TENANT_LEN = 64
 UNKNOWN_TENANT = "unknown"
@@ -64,10 +61,23 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
     return value
 
 
-class TenantResolver:
-    """Resolve a request's tenant from its headers; built once from Settings."""
+class TenantSettings(Protocol):
+    """The settings tenant identity reads (kvproxy.config's Settings has them)."""
 
-    def __init__(self, settings: Settings) -> None:
+    @property
+    def tenant_header(self) -> str: ...
+    @property
+    def trust_tenant_header(self) -> bool: ...
+    @property
+    def tenant_hash_salt(self) -> str: ...
+    @property
+    def tenant_tokens(self) -> Mapping[str, str]: ...
+
+
+class TenantResolver:
+    """Resolve a request's tenant from its headers; built once from the settings."""
+
+    def __init__(self, settings: TenantSettings) -> None:
         self.header = settings.tenant_header
         self.trust_header = settings.trust_tenant_header
         self._salt = settings.tenant_hash_salt.encode("utf-8")

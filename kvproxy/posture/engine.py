@@ -12,7 +12,7 @@ the `SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE` environment variable).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,20 +74,18 @@ def _typed(info: Mapping[str, Any], key: str, kind: type) -> Any:
     return value if isinstance(value, kind) else None
 
 
-def read_posture(server_info: Mapping[str, Any], metrics_text: str | None) -> EnginePosture:
-    """The posture fields of one SGLang `/server_info` answer and its `/metrics` text."""
-    # Imported here: kvproxy.capacity imports this module.
-    from kvproxy.capacity.measurement import ProbeError
-    from kvproxy.capacity.reports import parse_prometheus
-
+def read_posture(
+    server_info: Mapping[str, Any],
+    counters: Mapping[str, Sequence[tuple[Mapping[str, str], float]]] | None,
+) -> EnginePosture:
+    """The posture fields of one SGLang `/server_info` answer and the samples of its
+    `FAILURE_COUNTERS` in `/metrics` (None: no metrics were read; the capacity probe parses
+    the exposition it already fetched)."""
     args = {k: server_info[k] for k in FIELDS if k in server_info}
     absent = [k for k in FIELDS if _typed(server_info, k, _KINDS.get(k, str)) is None]
     failures: dict[str, float] = {}
-    if metrics_text is not None:
-        try:
-            samples = parse_prometheus(metrics_text, FAILURE_COUNTERS.values())
-        except ProbeError:  # a malformed counter line: "not exported", not a failed probe
-            samples = {}
+    if counters is not None:
+        samples = counters
         for kind, name in FAILURE_COUNTERS.items():
             values = samples.get(name) or []
             if values:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, Protocol
 
-from kvproxy.config.settings import Settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.posture.advisories import load_table
 from kvproxy.posture.engine import FAILURE_COUNTERS, EnginePosture
@@ -24,8 +23,19 @@ from kvproxy.posture.findings import EngineView, Finding, evaluate, gauge_series
 log = logging.getLogger("kvproxy.posture")
 
 
+class PostureSettings(Protocol):
+    """The settings the tracker reads (kvproxy.config's Settings has them)."""
+
+    @property
+    def advisories_file(self) -> str | None: ...
+    @property
+    def accept_advisories(self) -> tuple[str, ...]: ...
+    @property
+    def posture_action(self) -> Literal["warn", "not_ready"]: ...
+
+
 class PostureTracker:
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: PostureSettings, metrics: Metrics) -> None:
         self._settings = settings
         self._metrics = metrics
         # Settings validation already loaded this table once; a failure here is a bug.

@@ -1,1 +1,17 @@
-"""prompt."""
+"""Prompt extraction: a counted route's request bytes in, a `PromptShape` out. Pure, no I/O.
+
+`parse_request` is the one entry point; `SequencePrompt` is one sequence the engine will
+prefill and `PromptShape` a whole request. Everything else in this package is private.
+"""
+
+from kvproxy.prompt.parse import parse_request
+from kvproxy.prompt.shape import MAX_N, MAX_OUTPUT_TOKENS, PromptShape, SequencePrompt, load_json
+
+__all__ = [
+    "MAX_N",
+    "MAX_OUTPUT_TOKENS",
+    "PromptShape",
+    "SequencePrompt",
+    "load_json",
+    "parse_request",
+]

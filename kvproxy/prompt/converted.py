@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvproxy.policy.errors import invalid_request
+from kvproxy.policy.routes import Route
 from kvproxy.prompt.chat import _chat
-from kvproxy.prompt.parse import PromptShape, Route, SequencePrompt
 from kvproxy.prompt.prompt_only import PROMPT_ONLY
-from kvproxy.prompt.shape import _json_text, _opt_int
+from kvproxy.prompt.shape import PromptShape, SequencePrompt, _json_text, _opt_int
 
 # Fields naming context the engine or router stores and the proxy cannot see: the prompt the
 # engine would prefill is that stored history plus this request, of unknown size. Bounding

@@ -20,50 +20,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvproxy.policy.errors import KvproxyError, invalid_request
+from kvproxy.policy.errors import invalid_request
+from kvproxy.policy.routes import Route
 from kvproxy.prompt.chat import _chat
 from kvproxy.prompt.shape import (
-    _ROUTES,
-    CHAT_ROUTES,
     MAX_N,
-    MAX_OUTPUT_TOKENS,
     PromptShape,
-    Route,
     SequencePrompt,
     _bounded_int,
-    _load,
     _max_of,
     _n,
     _opt_int,
     _str_or_none,
+    load_json,
 )
-
-__all__ = [
-    "CHAT_ROUTES",
-    "MAX_N",
-    "MAX_OUTPUT_TOKENS",
-    "PromptShape",
-    "Route",
-    "SequencePrompt",
-    "parse_request",
-    "route_for_path",
-]
-
 
 _CORE_ROUTES: frozenset[Route] = frozenset({"chat", "completions", "generate"})
 
 
-def route_for_path(path: str) -> Route | None:
-    """The counted inference route for a path; None for everything else (`kvproxy.policy.routes`
-    decides whether that is passed through or refused)."""
-    if len(path) > 1 and path.endswith("/"):
-        path = path.rstrip("/")
-    return _ROUTES.get(path)
-
-
 def parse_request(route: Route, body: bytes) -> PromptShape:
     """Parse one request body. Raises a `KvproxyError` (400) naming the offending field."""
-    data = _load(body)
+    data = load_json(body)
     if route not in _CORE_ROUTES:
         # Imported here: prompt_routes builds on this module's shapes and helpers.
         from kvproxy.prompt import converted as prompt_routes
@@ -193,14 +170,3 @@ def _sampling(sp: Any) -> tuple[int | None, int]:
         outs.append(_opt_int(item, "max_new_tokens", prefix))
         n = max(n, _bounded_int(item.get("n"), prefix + "n", 1, MAX_N, 1))
     return _max_of(*outs), n
-
-
-__all__ = [
-    "CHAT_ROUTES",
-    "KvproxyError",
-    "PromptShape",
-    "Route",
-    "SequencePrompt",
-    "parse_request",
-    "route_for_path",
-]

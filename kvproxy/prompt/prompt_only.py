@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvproxy.policy.errors import invalid_request
-from kvproxy.prompt.parse import SequencePrompt, _ids, _media_count
+from kvproxy.prompt.parse import _ids, _media_count
+from kvproxy.prompt.shape import SequencePrompt
 
 # Tokens allowed per pair for a reranker's prompt wrapper, added to every pair's count: a
 # cross-encoder adds ~3 special tokens; Qwen3-Reranker's published prompt format wraps each

@@ -11,43 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
 from kvproxy.policy.errors import invalid_request
-
-Route = Literal[
-    "chat",
-    "completions",
-    "generate",
-    # Parsed in `kvproxy.prompt.converted` (the other prompt-carrying routes, kvproxy.policy.routes).
-    "responses",
-    "messages",
-    "embeddings",
-    "classify",
-    "rerank",
-    "score",
-    "encode",
-    "native_classify",
-]
-
-_ROUTES: dict[str, Route] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/generate": "generate",
-    "/v1/responses": "responses",
-    "/v1/messages": "messages",
-    "/v1/embeddings": "embeddings",
-    "/v1/classify": "classify",
-    "/v1/rerank": "rerank",
-    "/rerank": "rerank",
-    "/v1/score": "score",
-    "/encode": "encode",
-    "/classify": "native_classify",
-}
-# Routes whose sequences are chat messages rendered by the chat template.
-CHAT_ROUTES: frozenset[Route] = frozenset({"chat", "responses", "messages"})
+from kvproxy.policy.routes import Route
 
 # Requests asking for more than 2**31 - 1 output tokens or 128 choices are malformed, not big:
 # OpenAI caps n at 128 and engines store max_tokens as int32.
@@ -118,7 +87,8 @@ class PromptShape:
 # --- JSON and scalar fields ----------------------------------------------------------------
 
 
-def _load(body: bytes) -> dict[str, Any]:
+def load_json(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400 naming what is wrong (never its text)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

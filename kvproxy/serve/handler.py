@@ -27,8 +27,9 @@ from kvproxy.observe.logs import ACCESS_LOGGER, AccessRecord
 from kvproxy.policy import admission, errors
 from kvproxy.policy.clamp import clamp_output
 from kvproxy.policy.errors import ErrorStyle, KvproxyError
-from kvproxy.policy.routes import RouteMatch, route_table
-from kvproxy.prompt.parse import PromptShape, Route, parse_request
+from kvproxy.policy.routes import Route, RouteMatch, route_table
+from kvproxy.prompt import PromptShape
+from kvproxy.prompt.parse import parse_request
 from kvproxy.serve.body import content_coding, decode, forwarded_headers, read_arrived, read_raw
 from kvproxy.serve.headers import filter_headers
 from kvproxy.serve.models import ModelServices

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kvproxy.observe.metrics import SINGLE_MODEL, UNKNOWN_MODEL
 from kvproxy.policy import errors
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.shape import _load
+from kvproxy.prompt import load_json
 
 if TYPE_CHECKING:
     from kvproxy.budget.local import Budget
@@ -125,7 +125,7 @@ class ModelTable:
         if self.match_all:
             return self.models[0]
         try:
-            data = _load(body)
+            data = load_json(body)
         except KvproxyError as err:
             return err  # the same 400 parse_request would give
         raw = data.get("model")

@@ -43,7 +43,8 @@ from typing import Any, TypeVar
 from kvproxy.policy import errors
 from kvproxy.policy.counts import CountMethod, TokenCount
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import CHAT_ROUTES, PromptShape, SequencePrompt
+from kvproxy.policy.routes import CHAT_ROUTES
+from kvproxy.prompt import PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes

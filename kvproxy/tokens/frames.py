@@ -44,7 +44,7 @@ from typing import Any
 import jinja2
 import jinja2.nodes
 
-from kvproxy.prompt.parse import SequencePrompt
+from kvproxy.prompt import SequencePrompt
 from kvproxy.tokens import chatnorm
 from kvproxy.tokens import templates as _t
 from kvproxy.tokens.sandbox import environment as _environment

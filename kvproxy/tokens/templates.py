@@ -45,7 +45,7 @@ import jinja2.nodes
 import jinja2.sandbox
 
 from kvproxy.policy.errors import KvproxyError, invalid_request
-from kvproxy.prompt.parse import SequencePrompt
+from kvproxy.prompt import SequencePrompt
 from kvproxy.tokens import chatnorm
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, SPECIAL_TOKEN_KEYS, EngineKind
 from kvproxy.tokens.sandbox import Sandbox as _Sandbox

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from grafana.promql import MODEL_LABELLED
 from kvproxy.observe.metrics import SINGLE_MODEL
 from kvproxy.policy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
-from kvproxy.prompt.parse import Route
+from kvproxy.policy.routes import Route
 from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim import SimCluster, SimOptions
 

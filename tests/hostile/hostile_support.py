@@ -15,7 +15,9 @@ from typing import Any
 from hypothesis import strategies as st
 
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import MAX_N, MAX_OUTPUT_TOKENS, PromptShape, Route, parse_request
+from kvproxy.policy.routes import Route
+from kvproxy.prompt import MAX_N, MAX_OUTPUT_TOKENS, PromptShape
+from kvproxy.prompt.parse import parse_request
 
 SECRET = "S3CRET-prompt-text"
 ROUTES: tuple[Route, ...] = ("chat", "completions", "generate")

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from kvproxy.policy.clamp import clamp_output
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import Route, parse_request
+from kvproxy.policy.routes import Route
+from kvproxy.prompt.parse import parse_request
 
 FUZZ = settings(
     max_examples=300,

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from kvtest import FakeUpstream, running_proxy, static_engines, wait_until
 from tokenizer_files import real_tokenizer_dir
 
-from kvproxy.prompt.parse import Route, parse_request, route_for_path
+from kvproxy.policy.routes import Route, route_for_path
+from kvproxy.prompt.parse import parse_request
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
 LIMIT = 4096  # static prefill capacity; the admission limit equals it

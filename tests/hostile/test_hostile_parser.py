@@ -24,7 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import MAX_OUTPUT_TOKENS, Route, parse_request
+from kvproxy.policy.routes import Route
+from kvproxy.prompt import MAX_OUTPUT_TOKENS
+from kvproxy.prompt.parse import parse_request
 
 FUZZ = settings(
     max_examples=200,

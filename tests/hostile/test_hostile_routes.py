@@ -10,7 +10,7 @@ from hostile_support import check_parse, dump, hostile_body, hostile_text, json_
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvproxy.prompt.parse import Route
+from kvproxy.policy.routes import Route
 
 FUZZ = settings(
     max_examples=300,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvproxy.posture.advisories import load_table
+from kvproxy.capacity.sglang import failure_counters
 from kvproxy.posture.engine import read_posture
 from kvproxy.posture.findings import (
     EngineView,
@@ -42,8 +43,8 @@ def pair(
     prefill: dict[str, Any], decode: dict[str, Any], metrics: str | None = None
 ) -> list[EngineView]:
     return [
-        EngineView("p", "prefill", "sglang", read_posture(prefill, metrics)),
-        EngineView("d", "decode", "sglang", read_posture(decode, metrics)),
+        EngineView("p", "prefill", "sglang", read_posture(prefill, failure_counters(metrics))),
+        EngineView("d", "decode", "sglang", read_posture(decode, failure_counters(metrics))),
     ]
 
 
@@ -174,12 +175,14 @@ sglang:num_bootstrap_failed_reqs_total{tp_rank="0"} 1.0
 
 
 def test_failure_counters_are_summed_over_ranks_and_absence_is_stated() -> None:
-    seen = read_posture(info(), METRICS)
+    seen = read_posture(info(), failure_counters(METRICS))
     assert seen.failures == {"transfer": 5.0, "bootstrap": 1.0}
     none = read_posture(info(), None)
     assert none.failures == {}
     assert "metrics.sglang:num_transfer_failed_reqs_total" in none.absent
-    broken = read_posture(info(), "sglang:num_transfer_failed_reqs_total{ nonsense\n")
+    broken = read_posture(
+        info(), failure_counters("sglang:num_transfer_failed_reqs_total{ nonsense\n")
+    )
     assert broken.failures == {}
 
 

@@ -38,7 +38,8 @@ from chat_reference import (
 )
 
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import PromptShape, parse_request
+from kvproxy.prompt import PromptShape
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.chatnorm import (
     ENGINE_KINDS,
     EngineKind,

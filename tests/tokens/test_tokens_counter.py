@@ -13,7 +13,8 @@ import orjson
 import pytest
 
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import PromptShape, parse_request
+from kvproxy.prompt import PromptShape
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.counter import UNKNOWN_SPECIAL_TOKENS, TokenCounter
 from kvproxy.tokens.templates import ChatTemplate

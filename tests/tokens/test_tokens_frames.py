@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import SequencePrompt, parse_request
+from kvproxy.prompt import SequencePrompt
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import frames
 from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.frames import FrameCache

@@ -9,7 +9,8 @@ import orjson
 import pytest
 
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.prompt.parse import SequencePrompt, parse_request
+from kvproxy.prompt import SequencePrompt
+from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import bounds
 from kvproxy.tokens.local import HfTokenizer
 from kvproxy.tokens.templates import BIG_CHARS, ChatTemplate

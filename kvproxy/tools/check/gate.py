@@ -11,7 +11,7 @@ Runs in CI/CD before a rollout that touches long-context settings:
   5. with --proxy-admin: the proxy's deferred-cancellation counts by outcome; a deferral
      that ended unconfirmed (timeout, shutdown) fails the gate unless the operator passes
      --accept-drain-timeouts, which the record keeps (kvproxy.tools.check.deferred).
-It writes a release record (JSON, schema in kvproxy/schemas/, and Markdown; kvproxy.tools.check.record)
+It writes a release record (JSON, schema in kvproxy/tools/check/schemas/, and Markdown; kvproxy.tools.check.record)
 and passes only when every check passed; the command line is kvproxy.tools.check.cli. Never
 records prompt or completion text.
 """
