@@ -33,7 +33,7 @@ from pathlib import Path
 
 import orjson
 
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import TokenCount, TokenCounter, build_counter
 

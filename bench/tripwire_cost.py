@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from payloads import sse_event
 
-from kvproxy.config.settings import CanaryTenant
+from kvproxy.config import CanaryTenant
 from kvproxy.policy.drain import DrainMachine, UpstreamChunk, UpstreamHeaders
 from kvproxy.response.tripwire import CanaryRules, CanaryScanner
 

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from kvproxy import __version__
-from kvproxy.config.settings import ConfigError, Settings, load_settings
+from kvproxy.config import ConfigError, Settings, load_settings
 from kvproxy.observe.logs import setup_logging
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.config.settings import load_settings
+from kvproxy.config import load_settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.serve.app import KvproxyServer
 

@@ -25,7 +25,7 @@ from redis_server import RedisServer, needs_redis, redis_server
 from kvproxy.budget.cluster import RedisBudget
 from kvproxy.budget.connection import RedisOptions
 from kvproxy.budget.scripts import BudgetKeys
-from kvproxy.config.settings import ConfigError, load_settings
+from kvproxy.config import ConfigError, load_settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.policy.errors import KvproxyError
 

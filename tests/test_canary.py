@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproxy.config.settings import CanaryTenant, ConfigError, Settings
+from kvproxy.config import CanaryTenant, ConfigError, Settings
 from kvproxy.response.guard import StreamGuard
 from kvproxy.response.tripwire import MAX_MARKER_CHARS, CanaryHit, CanaryRules, CanaryScanner
 

@@ -116,8 +116,8 @@ def test_a_subcommand_imports_only_its_own_module() -> None:
     code = (
         "import sys; from kvproxy.cli import build_parser; "
         "build_parser(['serve']).parse_args(['serve']); "
-        "print(sorted(m for m in sys.modules if m.startswith(('kvproxy.sim', 'kvproxy.tools.check.gate', "
-        "'kvproxy.tools.isolation.harness'))))"
+        "print(sorted(m for m in sys.modules if m.startswith(('kvproxy.sim', "
+        "'kvproxy.tools.check.gate', 'kvproxy.tools.isolation.harness'))))"
     )
     res = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True

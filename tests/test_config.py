@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvproxy.cli import _settings_from, build_parser
-from kvproxy.config.settings import ConfigError, load_settings
+from kvproxy.config import ConfigError, load_settings
 from kvproxy.tools.check.cli import options_from
 
 

@@ -16,12 +16,13 @@ import pytest
 from aiohttp import web
 from kvtest import FakeUpstream, canary_settings, running_proxy, sim_and_proxy, wait_until
 
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import IMPLICIT_MODEL, EngineSpec
 from kvproxy.policy.drain import DEFERRED_OUTCOMES
 from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions
 from kvproxy.tools.check.deferred import deferred_verdict
-from kvproxy.tools.check.gate import SCHEMA_PATH, GateOptions, markdown, run_gate, write_record
+from kvproxy.tools.check.gate import GateOptions, run_gate
+from kvproxy.tools.check.record import SCHEMA_PATH, markdown, write_record
 
 # The vulnerable simulator behind kvproxy: the operator accepts the engine's advisory
 # because the proxy stops what it describes (the posture gate itself: tests/posture/).
@@ -371,8 +372,8 @@ async def test_the_gate_reports_the_limits_the_monitor_publishes(tmp_path: Path)
     15-token margin, enforces 5,300)."""
     from kvproxy.capacity import CapacityMonitor
     from kvproxy.cli import build_parser
-    from kvproxy.config.settings import load_settings
-    from kvproxy.observe.metrics import SINGLE_MODEL, Metrics
+    from kvproxy.config import load_settings
+    from kvproxy.observe.metrics import Metrics
     from kvproxy.tools.check.cli import options_from
 
     async with SimCluster(sim_options(context_length=8192, prefill_pool_tokens=5322)) as sim:
@@ -392,7 +393,7 @@ async def test_the_gate_reports_the_limits_the_monitor_publishes(tmp_path: Path)
     # largest prompt is 5,315; minus the margin, 5,300.
     assert published.admission_limit_tokens == 5300
     limit = metrics.registry.get_sample_value(
-        "kvproxy_admission_limit_tokens", {"model": SINGLE_MODEL}
+        "kvproxy_admission_limit_tokens", {"model": IMPLICIT_MODEL}
     )
     assert limit == 5300
     assert record.limits == published.to_json()

@@ -1,4 +1,4 @@
-"""`kvproxy check` with a models config (kvproxy.tools.check.models): one section per configured
+"""`kvproxy check` with a models config (kvproxy.tools.check.cli): one section per configured
 model, each gated on its own engines and on the proxy's limit for that model, through a
 real proxy in front of two simulator clusters with different pools."""
 
@@ -15,7 +15,7 @@ from kvtest import running_proxy
 from test_gate import validate
 
 from kvproxy.sim.launcher import SimCluster, SimOptions
-from kvproxy.tools.check.models import MODELS_SCHEMA
+from kvproxy.tools.check.record import MODELS_SCHEMA
 
 POOLS = {"model-a": 2048, "model-b": 5322}
 

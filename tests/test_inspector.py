@@ -7,7 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from kvproxy.config.settings import CanaryTenant
+from kvproxy.config import CanaryTenant
 from kvproxy.response import inspector, sse
 from kvproxy.response.inspector import ResponseInspector, Step
 from kvproxy.response.tripwire import CanaryRules, CanaryScanner

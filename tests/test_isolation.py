@@ -151,7 +151,7 @@ async def test_cli_exits_1_on_leaks_and_writes_the_report(tmp_path) -> None:  # 
     assert proc.returncode == 1
     assert b"FAIL" in out
     data = json.loads(report.read_text())
-    assert data["schema"] == "kvproxy.response.tripwire/1"
+    assert data["schema"] == "kvproxy.canary/1"
     assert data["scenarios"][0]["foreign_markers"]
     assert data["caveats"]
 
@@ -337,11 +337,11 @@ async def test_a_target_listing_several_models_is_checked_once_per_model(
     assert code == 1
     assert asked == ["qwen", "glm"]  # each model's preflight, in the listed order
     data = json.loads(report.read_text())
-    assert data["schema"] == "kvproxy.response.tripwire.models/1"
+    assert data["schema"] == "kvproxy.canary.models/1"
     assert data["verdict"] == "fail"
     assert list(data["models"]) == ["qwen", "glm"]
     for name, section in data["models"].items():
-        assert section["schema"] == "kvproxy.response.tripwire/1"
+        assert section["schema"] == "kvproxy.canary/1"
         assert section["model"] == name
         assert section["verdict"] == "fail"
     assert "2 models: FAIL" in out

@@ -47,7 +47,7 @@ def body(**fields: Any) -> bytes:
 
 def table(default: str | None = None, readiness: str = "any") -> ModelTable:
     a, b = svc("qwen", "Qwen/Qwen3-8B"), svc("glm")
-    return ModelTable([a, b], match_all=False, default_model=default, readiness=readiness)
+    return ModelTable([a, b], default_model=default, readiness=readiness)
 
 
 def test_name_and_alias_pick_their_model_exactly() -> None:
@@ -97,7 +97,7 @@ def test_a_body_that_is_not_an_object_or_a_model_that_is_not_a_string_is_400() -
 
 def test_the_single_model_form_matches_every_name_without_reading_the_body() -> None:
     only = svc("default")
-    t = ModelTable([only], match_all=True)
+    t = ModelTable([only], default_model="default", implicit=True)
     for raw in (body(model="anything"), body(), b"not even json"):
         assert t.for_request(raw) is only
     assert t.resolve("whatever") is only
@@ -105,8 +105,8 @@ def test_the_single_model_form_matches_every_name_without_reading_the_body() -> 
 
 def test_readiness_any_and_all() -> None:
     a, b = svc("a"), svc("b", known=False)
-    any_ = ModelTable([a, b], match_all=False, readiness="any")
-    all_ = ModelTable([a, b], match_all=False, readiness="all")
+    any_ = ModelTable([a, b], readiness="any")
+    all_ = ModelTable([a, b], readiness="all")
     assert any_.ready()
     assert not all_.ready()
     assert "capacity unknown for b" in all_.not_ready_reason()
@@ -123,6 +123,6 @@ def test_readiness_any_and_all() -> None:
 
 def test_a_table_refuses_duplicates_and_an_empty_list() -> None:
     with pytest.raises(ValueError, match="used twice"):
-        ModelTable([svc("a", "x"), svc("x")], match_all=False)
+        ModelTable([svc("a", "x"), svc("x")])
     with pytest.raises(ValueError, match="at least one"):
-        ModelTable([], match_all=False)
+        ModelTable([])

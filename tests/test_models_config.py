@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvproxy.config.models import model_settings
-from kvproxy.config.settings import ConfigError, load_settings
+from kvproxy.budget.build import build_budget
+from kvproxy.config import IMPLICIT_MODEL, ConfigError, load_settings
+from kvproxy.observe.metrics import Metrics
 
 
 def engines(port: int) -> list[dict[str, Any]]:
@@ -27,10 +28,12 @@ def two_models(**extra: Any) -> list[dict[str, Any]]:
 
 
 def test_single_model_form_is_one_entry_with_the_top_level_settings() -> None:
-    s = load_settings(engines=engines(30000), max_context=8192)
-    [(spec, ms)] = model_settings(s)
-    assert spec is None
-    assert ms is s
+    s = load_settings(engines=engines(30000), max_context=8192, tokenizer="bytes")
+    [spec] = s.model_table()
+    assert spec.name == IMPLICIT_MODEL
+    assert spec.engines == s.engines
+    assert (spec.max_context, spec.tokenizer) == (8192, "bytes")
+    assert s.for_model(spec) is s
 
 
 def test_each_entry_gets_its_own_engines_tokenizer_budget_and_upstream() -> None:
@@ -38,8 +41,8 @@ def test_each_entry_gets_its_own_engines_tokenizer_budget_and_upstream() -> None
         models=two_models(max_inflight_prompt_tokens=1000, upstream="http://127.0.0.1:7000/"),
         upstream="http://127.0.0.1:8000",
     )
-    (qspec, q), (gspec, g) = model_settings(s)
-    assert qspec is not None
+    qspec, gspec = s.model_table()
+    q, g = s.for_model(qspec), s.for_model(gspec)
     assert qspec.names == ("qwen", "Qwen/Qwen3-8B")
     assert [e.url for e in q.engines] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
     assert q.max_inflight_prompt_tokens == 1000
@@ -48,10 +51,21 @@ def test_each_entry_gets_its_own_engines_tokenizer_budget_and_upstream() -> None
     assert g.upstream == "http://127.0.0.1:8000"
     assert g.max_context == 4096
     assert q.max_context is None
-    # One Redis budget per engine pool: by default the model's name.
-    assert (q.budget_pool, g.budget_pool) == ("qwen", "glm")
-    assert gspec is not None
     assert gspec.tokenizer == "bytes"
+
+
+def test_one_redis_budget_pool_per_model_by_default() -> None:
+    s = load_settings(
+        models=[*two_models()[:1], {**two_models()[1], "budget_pool": "shared-glm"}],
+        budget_backend="redis",
+        redis_url="redis://127.0.0.1:1/0",
+    )
+    pools = []
+    for spec in s.model_table():
+        budget = build_budget(s.for_model(spec), Metrics(), spec.name)
+        pools.append(budget.options.pool)  # type: ignore[attr-defined]
+    # By default the model's name: replicas in front of the same engines share it.
+    assert pools == ["qwen", "shared-glm"]
 
 
 def test_models_from_the_yaml_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

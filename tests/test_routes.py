@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvproxy.config.settings import ConfigError, load_settings
+from kvproxy.config import ConfigError, load_settings
 from kvproxy.policy.routes import parse_passthrough, route_table
 
 TABLE = route_table(())

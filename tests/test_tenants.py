@@ -7,7 +7,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.policy.tenants import (
     MAX_TENANT_LEN,
     TenantResolver,

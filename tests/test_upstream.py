@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from multidict import CIMultiDict
 
-from kvproxy.config.settings import ConfigError, load_settings
+from kvproxy.config import ConfigError, load_settings
 from kvproxy.upstream.boundary import classify
 from kvproxy.upstream.origin import parse_origin
 from kvproxy.upstream.pool import (

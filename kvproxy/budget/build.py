@@ -7,11 +7,11 @@ core install has no redis package unless the operator asked for the redis backen
 from __future__ import annotations
 
 from kvproxy.budget.local import Budget, InflightBudget
-from kvproxy.config.settings import ConfigError, Settings
-from kvproxy.observe.metrics import SINGLE_MODEL, Metrics
+from kvproxy.config import IMPLICIT_MODEL, ConfigError, Settings
+from kvproxy.observe.metrics import Metrics
 
 
-def build_budget(s: Settings, metrics: Metrics, model: str = SINGLE_MODEL) -> Budget:
+def build_budget(s: Settings, metrics: Metrics, model: str = IMPLICIT_MODEL) -> Budget:
     # Exported (0) for the local backend too, as before the gauge had a `model` label: the
     # dashboard's panel reads it whichever backend runs.
     metrics.budget_cluster_tokens.labels(model)
@@ -44,7 +44,8 @@ def build_budget(s: Settings, metrics: Metrics, model: str = SINGLE_MODEL) -> Bu
             password=s.redis_password_value(),
             ssl_ca_file=None if s.redis_tls_ca_file is None else str(s.redis_tls_ca_file),
             key_prefix=s.redis_key_prefix,
-            pool=s.budget_pool,
+            # One budget per engine pool; unset, the model's own (kvproxy.config.models).
+            pool=s.budget_pool or model,
             lease_ttl_s=s.redis_lease_ttl_s,
             timeout_s=s.redis_timeout_s,
             unavailable=s.redis_unavailable,

@@ -45,7 +45,8 @@ from kvproxy.budget.connection import REDIS_DOWN, RedisDown, RedisOptions, make_
 from kvproxy.budget.leases import FallbackLease, RedisLease
 from kvproxy.budget.local import InflightBudget, retry_after_s
 from kvproxy.budget.scripts import ACQUIRE, LEAVE_QUEUE, RELEASE, RENEW, BudgetKeys
-from kvproxy.observe.metrics import SINGLE_MODEL, Metrics
+from kvproxy.config import IMPLICIT_MODEL
+from kvproxy.observe.metrics import Metrics
 from kvproxy.policy import errors
 
 log = logging.getLogger("kvproxy.budget")
@@ -74,7 +75,7 @@ class RedisBudget:
         metrics: Metrics,
         options: RedisOptions,
         client: Any | None = None,
-        model: str = SINGLE_MODEL,
+        model: str = IMPLICIT_MODEL,
     ) -> None:
         self.max_tokens = max_tokens
         self.max_requests = max_requests

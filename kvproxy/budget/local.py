@@ -32,7 +32,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
-from kvproxy.observe.metrics import SINGLE_MODEL, Metrics
+from kvproxy.config import IMPLICIT_MODEL
+from kvproxy.observe.metrics import Metrics
 from kvproxy.policy import errors
 
 # A client that got 429 should come back soon but not hammer us; the queue timeout is the
@@ -112,7 +113,7 @@ class InflightBudget:
         queue_max_waiters: int,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
-        model: str = SINGLE_MODEL,
+        model: str = IMPLICIT_MODEL,
     ) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be >= 1 or None")

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from yarl import URL
 
 from kvproxy.capacity.measurement import ProbeError
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 from kvproxy.policy.errors import UpstreamFailure
 from kvproxy.upstream.boundary import network_boundary
 

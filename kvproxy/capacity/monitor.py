@@ -35,8 +35,8 @@ from kvproxy.capacity.discovery import Resolver, expand_engine, system_resolver
 from kvproxy.capacity.limits import Limits, limits_for
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError, Role
 from kvproxy.capacity.probes import probe_engine
-from kvproxy.config.settings import EngineSpec, Settings
-from kvproxy.observe.metrics import SINGLE_MODEL, Metrics
+from kvproxy.config import IMPLICIT_MODEL, EngineSpec, Settings
+from kvproxy.observe.metrics import Metrics
 from kvproxy.posture.tracker import PostureTracker
 
 log = logging.getLogger("kvproxy.capacity")
@@ -77,7 +77,7 @@ class CapacityMonitor:
         resolver: Resolver | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        model: str = SINGLE_MODEL,
+        model: str = IMPLICIT_MODEL,
     ) -> None:
         self._settings = settings
         # The `model` label of the limit gauges (kvproxy.serve.models: one monitor per model).

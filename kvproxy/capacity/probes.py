@@ -19,7 +19,7 @@ from kvproxy.capacity.measurement import EngineMeasurement, ProbeError
 from kvproxy.capacity.reports import probe_error_from_exception
 from kvproxy.capacity.sglang import probe_sglang
 from kvproxy.capacity.vllm import probe_vllm
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 from kvproxy.policy.errors import UpstreamFailure
 from kvproxy.upstream.boundary import network_boundary
 

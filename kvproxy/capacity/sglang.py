@@ -47,7 +47,7 @@ from kvproxy.capacity.reports import (
     token_field,
 )
 from kvproxy.capacity.sglang_args import read_server_args
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 from kvproxy.posture.engine import FAILURE_COUNTERS, read_posture
 
 GAUGE_POOL = "sglang:max_total_num_tokens"

@@ -42,7 +42,7 @@ from kvproxy.capacity.reports import (
     parse_prometheus,
     token_field,
 )
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 
 CACHE_INFO = "vllm:cache_config_info"
 

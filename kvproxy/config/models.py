@@ -1,17 +1,18 @@
-"""The `models` setting: several models behind one kvproxy, each with its own policy.
+"""One model's slice of the settings, declared once, and the `models` entries built on it.
 
-A `ModelSpec` is what one entry of `models:` may say: the name clients send in `model`,
-aliases, the engines that serve it (the same specs and discovery as the single-model
-`engines`), its tokenizer and chat template, its declared context, its in-flight budget and
-optionally its own upstream. `model_settings` turns each entry into a complete `Settings`
-(the top level with the entry's fields in place), so the capacity monitor, the token counter
-and the budget are built for a model exactly as they are built for the single-model form.
+`ModelFields` is what belongs to one model's engines: the engines kvproxy measures, the
+tokenizer and chat template that count its prompts, its declared context, its in-flight
+budget. The top-level `Settings` inherits it (the single-model form: one implicit model that
+answers to every name), and every entry of `models:` is a `ModelSpec` built on it (a name,
+aliases, optionally its own upstream). `Settings.model_table()` turns either form into the
+same list of specs and `Settings.for_model(spec)` into a complete `Settings` per model, so the
+capacity monitor, the token counter and the budget are built for a model one way.
 
-Why the single-model fields are refused next to `models` instead of inherited: a tokenizer,
-a pool or a budget belongs to one model's engines. Inheriting the top-level tokenizer into a
-model that uses another one would count its prompts with the wrong vocabulary, which is an
-I1 risk, not a convenience. So each entry states its own, and an entry that states no
-tokenizer gets `bytes`, the bound that holds for any tokenizer.
+Why the top-level model fields are refused next to `models` instead of inherited: a
+tokenizer, a pool or a budget belongs to one model's engines. Inheriting the top-level
+tokenizer into a model that uses another one would count its prompts with the wrong
+vocabulary, which is an I1 risk, not a convenience. So each entry states its own, and an
+entry that states no tokenizer gets `bytes`, the bound that holds for any tokenizer.
 
 Must never: let two entries answer to one name (a request would be counted against a pool
 chosen by accident).
@@ -19,111 +20,140 @@ chosen by accident).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import re
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvproxy.config.settings import EngineSpec, check_tokenizer, check_upstream
-
-if TYPE_CHECKING:
-    from kvproxy.config.settings import Settings
+from kvproxy.upstream.origin import parse_origin
 
 # Names travel in metric labels and logs: bounded length, no whitespace or control bytes.
 NAME_PATTERN = r"^[^\s\x00-\x1f]{1,128}$"
-
-# Single-model settings that belong to one model's engines; with `models` they go in the
-# entries (see the module docstring for why they are not inherited).
-PER_MODEL_FIELDS = (
-    "engines",
-    "tokenizer",
-    "chat_template",
-    "max_context",
-    "max_inflight_prompt_tokens",
-    "max_inflight_requests",
-    "capacity_fallback_limit_tokens",
-    "budget_pool",
-)
+# The name of the one model of the single-model form (its `model` metric label).
+IMPLICIT_MODEL = "default"
 
 
-class ModelSpec(BaseModel):
-    """One entry of `models:`; every field but `name` and `engines` has the single-model
-    default."""
+class EngineSpec(BaseModel):
+    """One engine the capacity monitor polls directly (never through the router)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(pattern=NAME_PATTERN)
-    aliases: tuple[str, ...] = ()
-    engines: tuple[EngineSpec, ...] = Field(min_length=1)
+    url: str
+    role: Literal["prefill", "decode", "unified"] = "unified"
+    kind: Literal["sglang", "vllm", "static"] = "sglang"
+    # Only for kind=static: an operator-declared pool, always labelled source="declared".
+    capacity_tokens: int | None = Field(default=None, ge=1)
+    # Optional human name for metrics/logs; defaults to the URL's host:port.
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _static_needs_capacity(self) -> EngineSpec:
+        if self.kind == "static" and self.capacity_tokens is None:
+            raise ValueError("kind=static needs capacity_tokens")
+        if self.kind != "static" and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        rest = self.url.split("://", 1)[-1]
+        return rest.split("/", 1)[0] or self.url
+
+
+def check_tokenizer(v: str) -> str:
+    """The tokenizer spelling shared by the single-model form and every `models` entry."""
+    if v in ("bytes", "engine") or v.startswith(("hf:", "tiktoken:")):
+        return v
+    raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
+
+
+def check_url(v: str) -> str:
+    if not v.startswith(("http://", "https://")):
+        raise ValueError(f"must start with http:// or https://, got {v!r}")
+    return v.rstrip("/")
+
+
+def check_upstream(v: str) -> str:
+    """A router URL the relay's client can reach (kvproxy.upstream's origin)."""
+    v = check_url(v)
+    parse_origin(v)
+    return v
+
+
+class ModelFields(BaseModel):
+    """The settings that belong to one model's engines (the top level or a `models` entry)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engines: tuple[EngineSpec, ...] = ()
+    max_context: int | None = Field(default=None, ge=1)
+    # Explicit, operator-owned fallback used only while no measurement is fresh (I3).
+    capacity_fallback_limit_tokens: int | None = Field(default=None, ge=1)
     tokenizer: str = "bytes"
     chat_template: str | None = None
-    max_context: int | None = Field(default=None, ge=1)
     max_inflight_prompt_tokens: int | None = Field(default=None, ge=1)
     max_inflight_requests: int | None = Field(default=None, ge=1)
-    capacity_fallback_limit_tokens: int | None = Field(default=None, ge=1)
-    # The Redis budget's pool: one per engine pool, so by default the model's name.
+    # The Redis budget's pool: one per engine pool; unset, the model's name ("default" for
+    # the single-model form), so replicas in front of the same engines share it.
     budget_pool: str | None = Field(default=None, min_length=1, max_length=128)
-    # Its own router; unset: the top-level `upstream` (one router serving every model).
-    upstream: str | None = None
-
-    @field_validator("aliases")
-    @classmethod
-    def _aliases(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        import re
-
-        for alias in v:
-            if not re.match(NAME_PATTERN, alias):
-                raise ValueError(f"alias {alias!r} must be 1-128 characters, no whitespace")
-        return v
 
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer(cls, v: str) -> str:
         return check_tokenizer(v)
 
+
+# Declared once, above; `Settings` refuses them at the top level next to `models`.
+PER_MODEL_FIELDS: tuple[str, ...] = tuple(ModelFields.model_fields)
+
+
+class ModelSpec(ModelFields):
+    """One model: an entry of `models:`, or the implicit one of the single-model form."""
+
+    # Defaults are validated too: an entry that names no engines is refused.
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    name: str = Field(pattern=NAME_PATTERN)
+    aliases: tuple[str, ...] = ()
+    # Its own router; unset: the top-level `upstream` (one router serving every model).
+    upstream: str | None = None
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for alias in v:
+            if not re.match(NAME_PATTERN, alias):
+                raise ValueError(f"alias {alias!r} must be 1-128 characters, no whitespace")
+        return v
+
     @field_validator("upstream")
     @classmethod
     def _upstream(cls, v: str | None) -> str | None:
         return None if v is None else check_upstream(v)
+
+    @field_validator("engines")
+    @classmethod
+    def _has_engines(cls, v: tuple[EngineSpec, ...]) -> tuple[EngineSpec, ...]:
+        if not v:
+            raise ValueError("a models entry needs at least one engine")
+        return v
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 
 
-def check_models(s: Settings) -> None:
-    """The cross-entry rules (raised as ValueError: load_settings makes it one line)."""
-    if not s.models:
-        if s.default_model is not None:
-            raise ValueError("default_model needs a models list")
-        return
-    mixed = [f for f in PER_MODEL_FIELDS if f in s.model_fields_set]
-    if mixed:
-        raise ValueError(
-            f"{', '.join(mixed)} cannot be set next to models: set them in each models entry"
-        )
+def check_entries(specs: tuple[ModelSpec, ...], default_model: str | None) -> None:
+    """The cross-entry rules of `models:` (ValueError: load_settings makes it one line)."""
     owner: dict[str, str] = {}
-    for spec in s.models:
+    for spec in specs:
         for name in spec.names:
             if name in owner:
                 other = owner[name]
                 where = "twice in models" if other == spec.name else f"by {other} and {spec.name}"
                 raise ValueError(f"model name or alias {name!r} is used {where}")
             owner[name] = spec.name
-    if s.default_model is not None and s.default_model not in owner:
-        raise ValueError(f"default_model {s.default_model!r} names no models entry")
-
-
-def model_settings(s: Settings) -> list[tuple[ModelSpec | None, Settings]]:
-    """Each model's complete settings, in configured order. The single-model form is one
-    entry whose spec is None (it matches every name)."""
-    if not s.models:
-        return [(None, s)]
-    out: list[tuple[ModelSpec | None, Settings]] = []
-    for spec in s.models:
-        update = {f: getattr(spec, f) for f in PER_MODEL_FIELDS}
-        update["budget_pool"] = spec.budget_pool or spec.name
-        update["upstream"] = spec.upstream or s.upstream
-        # Validated field by field above (ModelSpec) and as a whole by check_models; the
-        # copy itself re-runs no validator.
-        out.append((spec, s.model_copy(update=update)))
-    return out
+    if default_model is not None and default_model not in owner:
+        raise ValueError(f"default_model {default_model!r} names no models entry")

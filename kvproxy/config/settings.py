@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -37,42 +37,17 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from kvproxy.config.models import (
+    IMPLICIT_MODEL,
+    PER_MODEL_FIELDS,
+    ModelFields,
+    ModelSpec,
+    check_entries,
+    check_upstream,
+)
 from kvproxy.policy.errors import ConfigError as ConfigError  # raised here; callers import it here
-from kvproxy.upstream.origin import parse_origin
-
-if TYPE_CHECKING:
-    from kvproxy.config.models import ModelSpec
 
 MIB = 1024 * 1024
-
-
-class EngineSpec(BaseModel):
-    """One engine the capacity monitor polls directly (never through the router)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    url: str
-    role: Literal["prefill", "decode", "unified"] = "unified"
-    kind: Literal["sglang", "vllm", "static"] = "sglang"
-    # Only for kind=static: an operator-declared pool, always labelled source="declared".
-    capacity_tokens: int | None = Field(default=None, ge=1)
-    # Optional human name for metrics/logs; defaults to the URL's host:port.
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _static_needs_capacity(self) -> EngineSpec:
-        if self.kind == "static" and self.capacity_tokens is None:
-            raise ValueError("kind=static needs capacity_tokens")
-        if self.kind != "static" and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
-        return self
-
-    @property
-    def label(self) -> str:
-        if self.name:
-            return self.name
-        rest = self.url.split("://", 1)[-1]
-        return rest.split("/", 1)[0] or self.url
 
 
 class CanaryTenant(BaseModel):
@@ -86,27 +61,11 @@ class CanaryTenant(BaseModel):
     patterns: tuple[str, ...] = ()
 
 
-def check_tokenizer(v: str) -> str:
-    """The tokenizer spelling shared by the single-model form and every `models` entry."""
-    if v in ("bytes", "engine") or v.startswith(("hf:", "tiktoken:")):
-        return v
-    raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
+class Settings(ModelFields, BaseSettings):
+    """Every setting of one kvproxy process. The fields that belong to one model's engines
+    (engines, tokenizer, chat template, declared context, budget) are `ModelFields`, declared
+    once there: at the top level they are the single model of the single-model form."""
 
-
-def check_url(v: str) -> str:
-    if not v.startswith(("http://", "https://")):
-        raise ValueError(f"must start with http:// or https://, got {v!r}")
-    return v.rstrip("/")
-
-
-def check_upstream(v: str) -> str:
-    """A router URL the relay's client can reach (kvproxy.upstream.origin)."""
-    v = check_url(v)
-    parse_origin(v)
-    return v
-
-
-class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVPROXY_",
         env_nested_delimiter="__",
@@ -135,15 +94,11 @@ class Settings(BaseSettings):
     upstream_max_connections: int = Field(default=1024, ge=1)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
-    # --- capacity ------------------------------------------------------------------------
-    engines: tuple[EngineSpec, ...] = ()
-    max_context: int | None = Field(default=None, ge=1)
+    # --- capacity (the engines and declared context: ModelFields) -------------------------
     capacity_refresh_s: float = Field(default=10.0, gt=0)
     capacity_stale_s: float = Field(default=60.0, gt=0)
     capacity_probe_timeout_s: float = Field(default=5.0, gt=0)
     limit_margin_tokens: int = Field(default=0, ge=0)
-    # Explicit, operator-owned fallback used only while no measurement is fresh (I3).
-    capacity_fallback_limit_tokens: int | None = Field(default=None, ge=1)
 
     # --- engine posture (kvproxy.posture) ---------------------------------------------------
     # The operator's own advisories (same schema as the shipped table), entries accepted by
@@ -153,9 +108,7 @@ class Settings(BaseSettings):
     accept_advisories: tuple[str, ...] = ()
     posture_action: Literal["warn", "not_ready"] = "warn"
 
-    # --- tokens and admission ------------------------------------------------------------
-    tokenizer: str = "bytes"
-    chat_template: str | None = None
+    # --- tokens and admission (the tokenizer and chat template: ModelFields) -------------
     count_timeout_s: float = Field(default=10.0, gt=0)
     count_concurrency: int = Field(default=2, ge=1)
     image_tokens: int = Field(default=16384, ge=0)
@@ -169,8 +122,7 @@ class Settings(BaseSettings):
     # SGLang's bootstrap/waiting timeouts are 300 s: after that the engine has given up the
     # transfer itself, so waiting longer buys nothing and shorter may cut a live transfer.
     drain_timeout_s: float = Field(default=300.0, gt=0)
-    max_inflight_prompt_tokens: int | None = Field(default=None, ge=1)
-    max_inflight_requests: int | None = Field(default=None, ge=1)
+    # The budget's size and pool: ModelFields.
     queue_timeout_s: float = Field(default=30.0, ge=0)
     queue_max_waiters: int = Field(default=1024, ge=0)
     # Where the budget lives. local: this replica alone (N replicas may over-commit N-fold);
@@ -183,8 +135,6 @@ class Settings(BaseSettings):
     redis_password: SecretStr | None = None
     redis_tls_ca_file: Path | None = None
     redis_key_prefix: str = Field(default="kvproxy:budget", min_length=1)
-    # One budget per engine pool: replicas in front of the same engines share this name.
-    budget_pool: str = Field(default="default", min_length=1, max_length=128)
     # A dead replica's leases come back after this long; live ones are renewed every third.
     redis_lease_ttl_s: float = Field(default=15.0, ge=0.3)
     # A Redis call slower than this counts as Redis unavailable.
@@ -236,11 +186,6 @@ class Settings(BaseSettings):
     def _url(cls, v: str) -> str:
         return check_upstream(v)
 
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer(cls, v: str) -> str:
-        return check_tokenizer(v)
-
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
@@ -268,8 +213,39 @@ class Settings(BaseSettings):
         from kvproxy.posture.advisories import load_table  # imports nothing of config
 
         load_table(self.advisories_file, self.accept_advisories)  # AdvisoryError: ValueError
-        check_models(self)
+        if self.models:
+            mixed = [f for f in PER_MODEL_FIELDS if f in self.model_fields_set]
+            if mixed:
+                raise ValueError(
+                    f"{', '.join(mixed)} cannot be set next to models: set them in each "
+                    "models entry"
+                )
+            check_entries(self.models, self.default_model)
+        elif self.default_model is not None:
+            raise ValueError("default_model needs a models list")
         return self
+
+    def model_table(self) -> tuple[ModelSpec, ...]:
+        """Every model, in configured order: the `models` entries, or the one implicit model
+        of the single-model form (named `IMPLICIT_MODEL`, the top-level model fields)."""
+        if self.models:
+            return self.models
+        fields = {f: getattr(self, f) for f in PER_MODEL_FIELDS}
+        # Constructed, not validated again: these fields were validated as settings (the
+        # single-model form may run with no engines at all, and is then never ready).
+        return (
+            ModelSpec.model_construct(name=IMPLICIT_MODEL, aliases=(), upstream=None, **fields),
+        )
+
+    def for_model(self, spec: ModelSpec) -> Settings:
+        """The complete settings one model's services are built from: these, with the
+        model's own fields and upstream in place. Validated field by field already (the
+        spec) and as a whole (`_coherent`); the copy itself re-runs no validator."""
+        if not self.models:
+            return self
+        update: dict[str, Any] = {f: getattr(spec, f) for f in PER_MODEL_FIELDS}
+        update["upstream"] = spec.upstream or self.upstream
+        return self.model_copy(update=update)
 
     def redis_password_value(self) -> str | None:
         """The Redis password from the file or the setting (the file wins); never logged."""
@@ -372,8 +348,3 @@ def load_settings(
         if len(exc.errors()) > 1:
             msg += f" (and {len(exc.errors()) - 1} more)"
         raise ConfigError(msg) from None
-
-
-from kvproxy.config.models import ModelSpec, check_models  # noqa: E402  (needs EngineSpec)
-
-Settings.model_rebuild()

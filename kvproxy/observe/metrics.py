@@ -38,10 +38,9 @@ COUNT_METHODS: tuple[CountMethod, ...] = get_args(CountMethod)
 # What TokenCounter.backend can be: the library that counts exactly, or the method.
 TOKENIZER_BACKENDS = ("fastokens", "hf", "tiktoken", "engine", "bytes")
 REDIS_UNAVAILABLE_POLICIES = ("local_share", "reject")
-# The `model` label's values: a configured model's name (kvproxy.serve.models), this one for the
-# single-model form (it matches every name), and one bounded value for a request no
-# configured model was resolved for (an unknown name, a pass-through or refused route).
-SINGLE_MODEL = "default"
+# The `model` label's values: a configured model's name (kvproxy.config's IMPLICIT_MODEL for
+# the single-model form), and one bounded value for a request no configured model was
+# resolved for (an unknown name, a pass-through or refused route).
 UNKNOWN_MODEL = "_unknown"
 
 

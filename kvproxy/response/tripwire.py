@@ -62,7 +62,7 @@ from kvproxy.policy.tenants import sanitize_tenant
 from kvproxy.response.payload import SEP, read_body
 
 if TYPE_CHECKING:
-    from kvproxy.config.settings import CanaryTenant, Settings
+    from kvproxy.config import CanaryTenant, Settings
 
 # Longest text one marker may match: the per-index tail is this minus one.
 MAX_MARKER_CHARS = 1024

@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.policy.tenants import TenantResolver
 from kvproxy.response.tripwire import CanaryRules
@@ -128,7 +128,7 @@ class KvproxyServer:
         for canary in s.canaries:
             self.metrics.canary_violations.labels(canary.tenant)
         for m in models.models:
-            prefix = "" if models.match_all else f"model {m.name}: "
+            prefix = "" if models.implicit else f"model {m.name}: "
             log.info("%stoken counting: %s", prefix, m.counter.describe())
         self.metrics.set_tokenizer_backend(first.counter.backend)
         await models.start()
@@ -197,27 +197,12 @@ class KvproxyServer:
         state, models = self.state, self.services.models
         if state.stopping:
             return _json({"ready": False, "reason": "shutting down"}, 503)
-        if not models.match_all:
-            if not models.ready():
-                return _json({"ready": False, "reason": models.not_ready_reason()}, 503)
-            return _json({"ready": True})
-        if not models.first.capacity.ready():
-            return _json({"ready": False, "reason": "capacity unknown"}, 503)
-        if models.first.capacity.posture.blocks_ready():
-            return _json({"ready": False, "reason": "engine posture (posture_action)"}, 503)
+        if not models.ready():
+            return _json({"ready": False, "reason": models.not_ready_reason()}, 503)
         return _json({"ready": True})
 
     async def _capacity(self, request: web.Request) -> web.Response:
-        models = self.services.models
-        if not models.match_all:
-            # Grouped by model: one model's engines and limits say nothing about another's.
-            return _json({"readiness": models.readiness, "models": models.snapshot_json()})
-        return _json(
-            {
-                **self.services.models.first.capacity.snapshot_json(),
-                "budget": self.services.models.first.budget.describe_json(),
-            }
-        )
+        return _json(self.services.models.snapshot_json())
 
     async def _tripwire(self, request: web.Request) -> web.Response:
         # What `kvproxy canary` needs to say why the tripwire withheld nothing: whose tenant

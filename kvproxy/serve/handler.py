@@ -1,8 +1,8 @@
 """The public handler: read the body, decide admission, forward, relay.
 
 Order matters and each step fails closed:
-  0. routes fail closed (kvproxy.policy.routes): a path that is neither counted nor pass-through is a
-     404 and is never forwarded;
+  0. routes fail closed (kvproxy.policy.routes): a path that is neither counted nor
+     pass-through is a 404 and is never forwarded;
   1. refuse while stopping, refuse oversize bodies on Content-Length (413) before reading;
   2. read the body under a deadline (slowloris: 408); on counted routes undo its
      Content-Encoding (kvproxy.serve.body: 400 undecodable, 415 unsupported, 413 past the limit);
@@ -167,8 +167,7 @@ async def _handle(
         svc = services.models.for_request(body)
         if isinstance(svc, KvproxyError):
             return _reject(services, rec, svc, style)
-        if not services.models.match_all:
-            rec.model = svc.name
+        rec.model = svc.name
         upstream = svc.upstream
         decided = await _admit(services, svc, route, body, rec)
         if isinstance(decided, KvproxyError):
@@ -234,9 +233,7 @@ async def _admit(
     services: Services, svc: ModelServices, route: Route, body: bytes, rec: AccessRecord
 ) -> tuple[PromptShape, admission.Admit] | KvproxyError:
     limits = svc.capacity.limits()
-    why = "no fresh measurement"
-    if not services.models.match_all:
-        why += f" of model {svc.name}'s engines"  # the others may be serving
+    why = services.models.unknown_why(svc)
     pre = admission.precheck(limits, svc.capacity.retry_after_s(), why)
     if pre is not None:
         return pre.error

@@ -5,16 +5,18 @@ its own `CapacityMonitor` (its engines, measured and failing closed on their own
 `TokenCounter` (its tokenizer and chat template) and its in-flight `Budget` (budgets belong
 to an engine pool). `ModelTable.for_request` is the request path's one lookup.
 
-Resolution, by the request body's top-level `model` string:
-  - the single-model form (no `models` list) matches every name without reading the body,
-    exactly as before several models existed;
-  - otherwise a name or alias of an entry picks it (exact, case-sensitive: smg matches
-    worker model ids exactly too);
+Both configuration forms are one table (`Settings.model_table()`): the single-model form is
+a table of one implicit model (`IMPLICIT_MODEL`) that is also the default. Resolution, by the
+request body's top-level `model` string:
+  - a name or alias of an entry picks it (exact, case-sensitive: smg matches worker model
+    ids exactly too);
   - a request with no `model` (SGLang's /generate, /encode and /classify have none) or an
-    unknown name gets `default_model` if one is configured, else 404 `model_not_found`.
+    unknown name gets the default model if there is one, else 404 `model_not_found`;
+  - the implicit table answers every request with its one model without reading the body:
+    there is nothing the body could change.
 The body is never changed: the router picks the worker by the same field.
 
-Cost: with several models the body is parsed once here and once by `parse_request`; the
+Cost: with a `models` list the body is parsed once here and once by `parse_request`; the
 single-model form pays nothing.
 
 Must never: admit a request against a model other than the one its `model` names (unless
@@ -26,18 +28,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvproxy.observe.metrics import SINGLE_MODEL, UNKNOWN_MODEL
+from kvproxy.budget.build import build_budget
+from kvproxy.budget.local import Budget
+from kvproxy.capacity import CapacityMonitor
+from kvproxy.config import IMPLICIT_MODEL, Settings
+from kvproxy.observe.metrics import UNKNOWN_MODEL
 from kvproxy.policy import errors
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import load_json
-
-if TYPE_CHECKING:
-    from kvproxy.budget.local import Budget
-    from kvproxy.capacity import CapacityMonitor
-    from kvproxy.config.settings import Settings
-    from kvproxy.tokens import TokenCounter
+from kvproxy.tokens import TokenCounter, build_counter
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,16 @@ class ModelServices:
     def ready(self) -> bool:
         return self.capacity.ready() and not self.capacity.posture.blocks_ready()
 
+    def capacity_json(self) -> dict[str, Any]:
+        """Its engines, limits and budget (the single-model form's whole /capacity)."""
+        return {**self.capacity.snapshot_json(), "budget": self.budget.describe_json()}
+
     def snapshot_json(self) -> dict[str, Any]:
         return {
             "aliases": list(self.aliases),
             "upstream": self.upstream,
             "tokenizer": self.counter.describe(),
-            **self.capacity.snapshot_json(),
-            "budget": self.budget.describe_json(),
+            **self.capacity_json(),
         }
 
 
@@ -75,16 +79,17 @@ class ModelTable:
         self,
         models: Sequence[ModelServices],
         *,
-        match_all: bool,
         default_model: str | None = None,
         readiness: str = "any",
+        implicit: bool = False,
     ) -> None:
         if not models:
             raise ValueError("a model table needs at least one model")
-        if match_all and len(models) != 1:
-            raise ValueError("only a single model can match every name")
+        if implicit and (len(models) != 1 or default_model != models[0].name):
+            raise ValueError("the implicit table is one model, its own default")
         self.models = tuple(models)
-        self.match_all = match_all
+        # The single-model form: nobody named the model, so messages and /capacity do not.
+        self.implicit = implicit
         self.readiness = readiness
         self._by_name: dict[str, ModelServices] = {}
         for svc in models:
@@ -104,16 +109,13 @@ class ModelTable:
         """Configured names (not aliases): the only values of a `model` metric label."""
         return tuple(m.name for m in self.models)
 
-    def label(self, resolved: str | None) -> str:
+    @staticmethod
+    def label(resolved: str | None) -> str:
         """The `model` metric label for a request resolved to `resolved` (None: to none)."""
-        if self.match_all:
-            return SINGLE_MODEL
         return resolved if resolved is not None else UNKNOWN_MODEL
 
     def resolve(self, name: str | None) -> ModelServices | None:
         """The model a request naming `name` is admitted against, None: no such model."""
-        if self.match_all:
-            return self.models[0]
         if name is not None:
             found = self._by_name.get(name)
             if found is not None:
@@ -122,7 +124,7 @@ class ModelTable:
 
     def for_request(self, body: bytes) -> ModelServices | KvproxyError:
         """The request path's one lookup (a counted route's decoded body)."""
-        if self.match_all:
+        if self.implicit:
             return self.models[0]
         try:
             data = load_json(body)
@@ -142,13 +144,30 @@ class ModelTable:
         return all(states) if self.readiness == "all" else any(states)
 
     def not_ready_reason(self) -> str:
+        if self.implicit:
+            m = self.models[0]
+            if not m.capacity.ready():
+                return "capacity unknown"
+            return "engine posture (posture_action)"
         down = [m.name for m in self.models if not m.ready()]
-        if self.match_all:
-            return "capacity unknown"
         return f"capacity unknown for {', '.join(down)} (readiness: {self.readiness})"
 
     def snapshot_json(self) -> dict[str, Any]:
-        return {m.name: m.snapshot_json() for m in self.models}
+        """/capacity: the one model's snapshot, or grouped by model (one model's engines and
+        limits say nothing about another's)."""
+        if self.implicit:
+            return self.models[0].capacity_json()
+        return {
+            "readiness": self.readiness,
+            "models": {m.name: m.snapshot_json() for m in self.models},
+        }
+
+    def unknown_why(self, model: ModelServices) -> str:
+        """Why a request of `model` is refused with 503 capacity_unknown (I3)."""
+        why = "no fresh measurement"
+        if not self.implicit:
+            why += f" of model {model.name}'s engines"  # the others may be serving
+        return why
 
     async def start(self) -> None:
         for m in self.models:
@@ -179,23 +198,19 @@ async def build_table(
     """Every model's services, in configured order. `counter` (tests) replaces the first
     model's. A tokenizer that cannot be loaded raises ConfigError after closing the
     counters already built."""
-    from kvproxy.budget.build import build_budget
-    from kvproxy.capacity import CapacityMonitor
-    from kvproxy.config.models import model_settings
-    from kvproxy.tokens import build_counter
-
     built: list[ModelServices] = []
     counters: list[TokenCounter] = []
     try:
-        for i, (spec, ms) in enumerate(model_settings(settings)):
-            name = SINGLE_MODEL if spec is None else spec.name
+        for i, spec in enumerate(settings.model_table()):
+            name = spec.name
+            ms = settings.for_model(spec)
             metrics.add_model(name)
             c = counter if (i == 0 and counter is not None) else build_counter(ms, session=session)
             counters.append(c)
             built.append(
                 ModelServices(
                     name=name,
-                    aliases=() if spec is None else spec.aliases,
+                    aliases=spec.aliases,
                     settings=ms,
                     # After the counter: a start that fails on the tokenizer says only
                     # that, not the posture line the monitor logs when it is built.
@@ -209,9 +224,10 @@ async def build_table(
             if c is not counter:
                 await c.aclose()
         raise
+    implicit = not settings.models
     return ModelTable(
         built,
-        match_all=not settings.models,
-        default_model=settings.default_model,
+        default_model=IMPLICIT_MODEL if implicit else settings.default_model,
         readiness=settings.readiness,
+        implicit=implicit,
     )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.serve.watch import DisconnectWatcher, LoopLagMonitor
 

@@ -2,8 +2,8 @@
 is reading: llhttp's callbacks (httptools) turned into a head, a body read as it arrives
 with flow control, and the read timeout (one timer for the connection's life).
 
-Raises into the reader (kvproxy.upstream.boundary classifies them): ConnectionResetError (the upstream
-closed before the response ended), TimeoutError, UpstreamProtocolError.
+Raises into the reader (kvproxy.upstream.boundary classifies them): ConnectionResetError (the
+upstream closed before the response ended), TimeoutError, UpstreamProtocolError.
 
 Must never: take bytes with no request outstanding, reuse itself after a response it could
 not read to the end, or hold more than READ_HIGH_WATER unread body bytes.

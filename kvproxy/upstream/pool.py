@@ -23,8 +23,8 @@ long prefill sends nothing for minutes). One timer per connection for its whole 
 moved only when it fires, so neither a request nor a streamed chunk costs timer work. An
 idle connection is not reused after `keepalive_s` and is closed by a sweep soon after.
 
-Raises (kvproxy.upstream.boundary classifies them): UpstreamConnectError (refused, unreachable, DNS),
-ConnectionResetError (the upstream closed before the response ended), TimeoutError,
+Raises (kvproxy.upstream.boundary classifies them): UpstreamConnectError (refused, unreachable,
+DNS), ConnectionResetError (the upstream closed before the response ended), TimeoutError,
 UpstreamProtocolError (bytes llhttp cannot read as a response, or bytes with no request
 outstanding).
 

@@ -10,7 +10,7 @@ from capacity_fakes import EngineFactory
 from ports import free_port
 
 from kvproxy.capacity import ProbeError, probe_engine
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 
 TIMEOUT_S = 2.0
 

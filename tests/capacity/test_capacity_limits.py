@@ -20,7 +20,7 @@ from kvproxy.capacity import (
     static_limits,
     vllm_limits,
 )
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 
 
 def sglang_accepts(prompt_len: int, *, pool: int, context: int) -> bool:

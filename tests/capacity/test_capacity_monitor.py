@@ -20,7 +20,7 @@ from capacity_fakes import EngineFactory
 from ports import free_port
 
 from kvproxy.capacity import CapacityMonitor
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.policy import errors
 

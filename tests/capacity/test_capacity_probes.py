@@ -21,7 +21,7 @@ from kvproxy.capacity import (
     measure_vllm,
 )
 from kvproxy.capacity.reports import parse_prometheus
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 
 PREFILL = EngineSpec(url="http://10.0.0.1:30001", role="prefill", kind="sglang")
 DECODE = EngineSpec(url="http://10.0.0.2:30002", role="decode", kind="sglang")

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from kvproxy.capacity import CapacityMonitor
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.observe.metrics import Metrics
 
 launcher = pytest.importorskip("kvproxy.sim.launcher")

@@ -18,7 +18,7 @@ from deploytest import (
 )
 from test_deploy_render import validate
 
-from kvproxy.config.settings import load_settings
+from kvproxy.config import load_settings
 
 
 @pytest.mark.parametrize("overlay", overlays())

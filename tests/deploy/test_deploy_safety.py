@@ -33,7 +33,7 @@ from deploytest import (
     resolve_port,
 )
 
-from kvproxy.config.settings import Settings, load_settings, split_host_port
+from kvproxy.config import Settings, load_settings, split_host_port
 
 OVERLAYS = overlays()
 

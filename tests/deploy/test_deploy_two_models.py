@@ -9,8 +9,7 @@ import pytest
 from deploytest import mounted_config, one, overlays, pod_spec, render_with_components
 from test_deploy_render import validate
 
-from kvproxy.config.models import model_settings
-from kvproxy.config.settings import load_settings
+from kvproxy.config import load_settings
 
 
 @pytest.mark.parametrize("overlay", overlays())
@@ -20,12 +19,9 @@ def test_two_models_compose_with_each_overlay(tmp_path: Path, overlay: str) -> N
         validate(obj)
     cfg = mounted_config(objs, pod_spec(one(objs, "Deployment", "kvproxy")))
     settings = load_settings(**cfg)
-    entries = model_settings(settings)
-    assert [spec.name for spec, _ in entries if spec is not None] == [
-        "Qwen/Qwen3-8B",
-        "zai-org/GLM-4.7",
-    ]
-    urls = [{e.url for e in ms.engines} for _, ms in entries]
+    specs = settings.model_table()
+    assert [spec.name for spec in specs] == ["Qwen/Qwen3-8B", "zai-org/GLM-4.7"]
+    urls = [{e.url for e in settings.for_model(spec).engines} for spec in specs]
     assert not urls[0] & urls[1]  # each model measured on its own engines
     assert settings.default_model == "Qwen/Qwen3-8B"
     assert settings.readiness == "any"

@@ -26,7 +26,7 @@ from kvtest import running_proxy
 from prometheus_client.parser import text_string_to_metric_families
 
 from grafana.promql import MODEL_LABELLED
-from kvproxy.observe.metrics import SINGLE_MODEL
+from kvproxy.config import IMPLICIT_MODEL
 from kvproxy.policy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
 from kvproxy.policy.routes import Route
 from kvproxy.serve.app import KvproxyServer
@@ -265,12 +265,12 @@ async def proxy_for(
 
 
 # Families that carry a `model` label (the dashboard's list, grafana.promql): these stacks
-# run the single-model form, whose one fixed value is kvproxy.observe.metrics.SINGLE_MODEL.
+# run the single-model form, whose one fixed value is kvproxy.observe.metrics.IMPLICIT_MODEL.
 
 
 def sample(server: KvproxyServer, name: str, **labels: str) -> float:
     if name in MODEL_LABELLED:
-        labels.setdefault("model", SINGLE_MODEL)
+        labels.setdefault("model", IMPLICIT_MODEL)
     value = server.metrics.registry.get_sample_value(name, labels)
     return float(value or 0.0)
 

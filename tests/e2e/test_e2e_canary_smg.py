@@ -20,7 +20,7 @@ import pytest
 from e2e_stack import proxy_for, sim_cluster
 from real_router import MODEL, real_router
 
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 from kvproxy.tools.check.gate import GateOptions, run_gate
 
 pytestmark = [pytest.mark.slow, pytest.mark.router]

@@ -27,7 +27,7 @@ from redis_server import needs_redis, redis_server
 from grafana import dashboard, rules
 from grafana.model import RATE
 from grafana.promql import to_promql
-from kvproxy.config.settings import load_settings
+from kvproxy.config import load_settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions

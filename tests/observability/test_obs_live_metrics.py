@@ -13,7 +13,7 @@ from obs_support import needs_promtool, promtool, sample_families, scraped_sampl
 from grafana import dashboard, rules
 from grafana.promql import metric_names
 from grafana.render import all_queries
-from kvproxy.config.settings import load_settings
+from kvproxy.config import load_settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.serve.app import KvproxyServer
 

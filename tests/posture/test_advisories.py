@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from kvproxy.config.settings import ConfigError, load_settings
+from kvproxy.config import ConfigError, load_settings
 from kvproxy.posture.advisories import (
     BUILTIN_CHECKS,
     SCHEMA_PATH,

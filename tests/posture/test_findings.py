@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvproxy.posture.advisories import load_table
 from kvproxy.capacity.sglang import failure_counters
+from kvproxy.posture.advisories import load_table
 from kvproxy.posture.engine import read_posture
 from kvproxy.posture.findings import (
     EngineView,

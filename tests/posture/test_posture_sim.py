@@ -17,10 +17,10 @@ import jsonschema
 import pytest
 
 from kvproxy.capacity import CapacityMonitor
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.sim.launcher import SimCluster, SimOptions
-from kvproxy.tools.check.gate import SCHEMA_PATH
+from kvproxy.tools.check.record import SCHEMA_PATH
 
 PENDING = "sglang-pd-pending-rejection-transfer"
 SOURCE = "https://github.com/sgl-project/sglang/pull/30325"

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from tokenizer_files import package_data_dir, real_tokenizer_dir
 
-from kvproxy.config.settings import ConfigError, EngineSpec, Settings
+from kvproxy.config import ConfigError, EngineSpec, Settings
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import build_counter
 from kvproxy.tokens.engine import EngineTokenizer
@@ -110,7 +110,7 @@ def test_bad_paths_are_one_line_config_errors(tmp_path: Path) -> None:
 
 _RSS_PROBE = """
 import gc, sys
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.tokens import build_counter, fast
 
 def rss_kib():

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy.config.settings import load_settings
+from kvproxy.config import load_settings
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import engine_kinds

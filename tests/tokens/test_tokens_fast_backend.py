@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizer_files import real_tokenizer_dir
 from tokenizers import Tokenizer
 
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import build_counter, fast
 from kvproxy.tokens.fast import load_fastokens, load_hf_counting

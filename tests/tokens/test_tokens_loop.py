@@ -17,7 +17,7 @@ import orjson
 import pytest
 from tokenizer_files import real_tokenizer_dir
 
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.observe.metrics import Metrics
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt.parse import parse_request

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvproxy.config.settings import Settings
+from kvproxy.config import Settings
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import bounds
 from kvproxy.tokens.counter import TokenCounter

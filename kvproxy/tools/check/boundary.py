@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 from kvproxy.tools.client import (
     ProbeChoice,
     ProbeClient,

@@ -2,6 +2,14 @@
 `load_settings` the proxy uses, so the gate reads the proxy's config file, margin and
 fallback), and the printed verdict. The gate itself is kvproxy.tools.check.gate.
 
+One gate per model of the config's model table, one after another (their probes would
+compete for the same router otherwise): the single-model form is one gate and one record;
+with a `models` config each model is gated on its own engines and declared context, its
+boundary probes request it by its configured name, the proxy limit compared with the
+measurement is the one under its `model` label, and the record has a section per model
+(`--model NAME`, a name or an alias, gates that one alone). The deferral counts on the
+proxy's admin /metrics belong to the replica, not to a model: each section shows the same.
+
 Exit codes: 0 every check passed, 1 a check failed (cli.py maps ConfigError to 2).
 """
 
@@ -16,9 +24,15 @@ from typing import Any
 
 import orjson
 
-from kvproxy.config.settings import ConfigError, Settings, load_settings
+from kvproxy.config import ConfigError, ModelSpec, Settings, load_settings
 from kvproxy.tools.check.gate import GateOptions, run_gate
-from kvproxy.tools.check.record import engine_table, write_record
+from kvproxy.tools.check.record import (
+    ReleaseRecord,
+    combined_json,
+    engine_table,
+    write_models_record,
+    write_record,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,8 +81,17 @@ def gate_settings(args: argparse.Namespace) -> Settings:
     return load_settings(config_path=args.config, overrides=overrides)
 
 
-def options_from(args: argparse.Namespace, settings: Settings | None = None) -> GateOptions:
+def options_from(
+    args: argparse.Namespace, settings: Settings | None = None, spec: ModelSpec | None = None
+) -> GateOptions:
+    """The gate's options for one model (`spec`; default the single-model form's)."""
     settings = settings or gate_settings(args)
+    named = spec is not None and bool(settings.models)
+    if spec is None:
+        if settings.models:
+            raise ConfigError("invalid setting engines (--engines / KVPROXY_ENGINES): none given")
+        spec = settings.model_table()[0]
+    settings = settings.for_model(spec)
     if not settings.engines:
         raise ConfigError("invalid setting engines (--engines / KVPROXY_ENGINES): none given")
 
@@ -86,7 +109,9 @@ def options_from(args: argparse.Namespace, settings: Settings | None = None) -> 
         canary=args.canary,
         unknown_probe=strip(args.unknown_probe),
         out=Path(args.out) if args.out else None,
-        model=args.model,
+        # A configured model is requested by its name and read under its `model` label.
+        model=spec.name if named else args.model,
+        limit_model=spec.name if named else None,
         accept_drain_timeouts=args.accept_drain_timeouts,
         probe_kind=args.probe_kind,
         advisories_file=settings.advisories_file,
@@ -94,29 +119,63 @@ def options_from(args: argparse.Namespace, settings: Settings | None = None) -> 
     )
 
 
+def selected_models(settings: Settings, wanted: str | None) -> tuple[ModelSpec, ...]:
+    """The models to gate: every one, or with a `models` config the one `--model` names
+    (in the single-model form `--model` is only the model id its probes request)."""
+    table = settings.model_table()
+    if not settings.models or wanted is None:
+        return table
+    for spec in table:
+        if wanted in spec.names:
+            return (spec,)
+    names = ", ".join(m.name for m in table)
+    raise ConfigError(f"invalid setting model (--model): {wanted!r} is not configured ({names})")
+
+
+async def gate_models(
+    args: argparse.Namespace, settings: Settings, progress: Any = print
+) -> list[tuple[str, ReleaseRecord]]:
+    """One gate per selected model, one after another."""
+    records = []
+    for spec in selected_models(settings, args.model):
+        if settings.models:
+            progress(f"[check] model {spec.name}")
+        records.append((spec.name, await run_gate(options_from(args, settings, spec), progress)))
+    return records
+
+
 def run_check(args: argparse.Namespace) -> int:
     settings = gate_settings(args)
-    if settings.models:
-        from kvproxy.tools.check.models import run_models_check  # one section per model
-
-        return run_models_check(args, settings)
-    opts = options_from(args, settings)
+    # Refused before any probe: a bad --engines or config names itself first.
+    options_from(args, settings, selected_models(settings, args.model)[0])
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    record = asyncio.run(run_gate(opts, progress))
-    print("\n".join(engine_table(record)))
-    print()
-    for c in record.checks:
-        print(f"{'PASS' if c.passed else 'FAIL'}  {c.name}: {c.detail}")
-    if record.safe_max_context_tokens is not None:
-        print(f"\nlargest safe context: {record.safe_max_context_tokens:,} tokens")
-    out = opts.out or Path(os.environ.get("KVPROXY_RECORD_DIR", "."))
-    j, m = write_record(record, out)
+    records = asyncio.run(gate_models(args, settings, progress))
+    for name, record in records:
+        if settings.models:
+            print(f"== model {name}")
+        print("\n".join(engine_table(record)))
+        print()
+        for c in record.checks:
+            print(f"{'PASS' if c.passed else 'FAIL'}  {c.name}: {c.detail}")
+        if record.safe_max_context_tokens is not None and not settings.models:
+            print(f"\nlargest safe context: {record.safe_max_context_tokens:,} tokens")
+        if settings.models:
+            print()
+    out = Path(args.out) if args.out else Path(os.environ.get("KVPROXY_RECORD_DIR", "."))
+    if settings.models:
+        j, m = write_models_record(records, out)
+        summary = combined_json(records)
+        passed, failed = summary["passed"], summary["failed_checks"]
+    else:
+        [(_, record)] = records
+        j, m = write_record(record, out)
+        passed, failed = record.passed, record.failed_checks
     print(f"release record: {j} and {m}")
-    if record.passed:
+    if passed:
         print("RESULT: PASS")
         return 0
-    print("RESULT: FAIL (" + "; ".join(record.failed_checks) + ")")
+    print("RESULT: FAIL (" + "; ".join(failed) + ")")
     return 1

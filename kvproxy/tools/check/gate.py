@@ -7,13 +7,14 @@ Runs in CI/CD before a rollout that touches long-context settings:
      context, margin, fallback) and names the largest safe value;
   3. with --proxy: boundary probes (limit-1 and limit admitted, limit+1 rejected with 400
      context_length_exceeded and, with --sim, proven never to reach the engines);
-  4. with --canary: the isolation scenarios (kvproxy.tools.isolation.harness), folded into the verdict;
+  4. with --canary: the isolation scenarios (kvproxy.tools.isolation), folded into the
+     verdict;
   5. with --proxy-admin: the proxy's deferred-cancellation counts by outcome; a deferral
      that ended unconfirmed (timeout, shutdown) fails the gate unless the operator passes
      --accept-drain-timeouts, which the record keeps (kvproxy.tools.check.deferred).
-It writes a release record (JSON, schema in kvproxy/tools/check/schemas/, and Markdown; kvproxy.tools.check.record)
-and passes only when every check passed; the command line is kvproxy.tools.check.cli. Never
-records prompt or completion text.
+It fills in a release record (kvproxy.tools.check.record: JSON with its schema beside it, and
+Markdown) and passes only when every check passed; the command line is
+kvproxy.tools.check.cli. Never records prompt or completion text.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from kvproxy.capacity import (
     probe_engine,
     system_resolver,
 )
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 from kvproxy.tools.check.boundary import (
     Check,
     boundary_probes,
@@ -48,7 +49,13 @@ from kvproxy.tools.check.boundary import (
 from kvproxy.tools.check.deferred import CHECK_NAME, deferred_counts, deferred_verdict
 from kvproxy.tools.check.posture import CHECK_NAME as POSTURE_CHECK
 from kvproxy.tools.check.posture import posture_check
-from kvproxy.tools.check.record import engine_table, markdown, write_record
+from kvproxy.tools.check.record import (
+    SCHEMA,
+    ReleaseRecord,
+    engine_table,
+    markdown,
+    write_record,
+)
 from kvproxy.tools.client import ModelUnknown, ProbeChoice
 from kvproxy.tools.isolation.harness import CanaryOptions, run_isolation, summary
 
@@ -62,8 +69,6 @@ __all__ = [
     "write_record",
 ]
 
-SCHEMA = "kvproxy.release-record/1"
-SCHEMA_PATH = Path(__file__).parent / "schemas" / "release_record.schema.json"
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -88,32 +93,9 @@ class GateOptions:
     # Engine posture (kvproxy.posture): the operator's advisories and accepted ids.
     advisories_file: str | None = None
     accept_advisories: tuple[str, ...] = ()
-    # Several models (kvproxy.tools.check.models): the configured name whose limit the proxy's
+    # A configured model (a `models` entry): the name whose limit the proxy's
     # metrics carry under `model`; None reads the single model's.
     limit_model: str | None = None
-
-
-@dataclass
-class ReleaseRecord:
-    schema: str
-    kvproxy_version: str
-    started_at: str
-    finished_at: str
-    host: str
-    declared_context_tokens: int | None
-    engines: list[dict[str, Any]]
-    limits: dict[str, Any]
-    safe_max_context_tokens: int | None
-    checks: list[Check]
-    deferred_cancellations: dict[str, Any] | None
-    accept_drain_timeouts: bool
-    isolation: dict[str, Any] | None
-    passed: bool
-    failed_checks: list[str]
-    posture: dict[str, Any] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _iso(ts: float) -> str:

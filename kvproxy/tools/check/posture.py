@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError
-from kvproxy.config.settings import EngineSpec
+from kvproxy.config import EngineSpec
 from kvproxy.posture.advisories import load_table
 from kvproxy.posture.findings import EngineView, evaluate, gate_verdict, posture_json
 

@@ -1,17 +1,44 @@
-"""The release record's human forms: the engine table `kvproxy check` prints and the
-Markdown file written next to the JSON record (kvproxy.tools.check.gate builds the record)."""
+"""The release record: what `kvproxy check` found (kvproxy.tools.check.gate fills it in), the
+engine table it prints, and the JSON and Markdown files it writes: one record, or one
+section per configured model (each section a complete record) under the models schema."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import orjson
 
+from kvproxy.tools.check.boundary import Check
 from kvproxy.tools.check.posture import markdown_lines as posture_markdown
 
-if TYPE_CHECKING:
-    from kvproxy.tools.check.gate import ReleaseRecord
+SCHEMA = "kvproxy.release-record/1"
+MODELS_SCHEMA = "kvproxy.release-record.models/1"
+SCHEMA_PATH = Path(__file__).parent / "schemas" / "release_record.schema.json"
+
+
+@dataclass
+class ReleaseRecord:
+    schema: str
+    kvproxy_version: str
+    started_at: str
+    finished_at: str
+    host: str
+    declared_context_tokens: int | None
+    engines: list[dict[str, Any]]
+    limits: dict[str, Any]
+    safe_max_context_tokens: int | None
+    checks: list[Check]
+    deferred_cancellations: dict[str, Any] | None
+    accept_drain_timeouts: bool
+    isolation: dict[str, Any] | None
+    passed: bool
+    failed_checks: list[str]
+    posture: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def engine_table(record: ReleaseRecord) -> list[str]:
@@ -108,4 +135,36 @@ def write_record(record: ReleaseRecord, out: Path) -> tuple[Path, Path]:
     j, m = out / "release-record.json", out / "release-record.md"
     j.write_bytes(orjson.dumps(record.to_json(), option=orjson.OPT_INDENT_2))
     m.write_text(markdown(record), encoding="utf-8")
+    return j, m
+
+
+def combined_json(records: list[tuple[str, ReleaseRecord]]) -> dict[str, Any]:
+    failed = [f"{name}: {c}" for name, r in records for c in r.failed_checks]
+    return {
+        "schema": MODELS_SCHEMA,
+        "passed": all(r.passed for _, r in records),
+        "failed_checks": failed,
+        # Each section is a complete single-model record (release_record.schema.json).
+        "models": {name: r.to_json() for name, r in records},
+    }
+
+
+def combined_markdown(records: list[tuple[str, ReleaseRecord]]) -> str:
+    verdict = "PASS" if all(r.passed for _, r in records) else "FAIL"
+    lines = [f"# kvproxy release record, {len(records)} models: {verdict}", ""]
+    for name, r in records:
+        lines.append(f"- `{name}`: {'PASS' if r.passed else 'FAIL'}")
+    for name, r in records:
+        # Each model's own record, its headings one level down under the model's name.
+        body = markdown(r).replace("\n## ", "\n### ")
+        body = body.replace("# kvproxy release record:", f"## Model `{name}`:", 1)
+        lines += ["", body.rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def write_models_record(records: list[tuple[str, ReleaseRecord]], out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    j, m = out / "release-record.json", out / "release-record.md"
+    j.write_bytes(orjson.dumps(combined_json(records), option=orjson.OPT_INDENT_2))
+    m.write_text(combined_markdown(records), encoding="utf-8")
     return j, m

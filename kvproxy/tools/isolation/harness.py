@@ -2,9 +2,9 @@
 
 Works against any OpenAI-compatible URL (kvproxy, a router, an engine); with `--sim` (the
 simulator's router) it also reads ground truth (`/sim/stats`) and injects faults
-(`/sim/faults`). The scenarios themselves are in kvproxy.tools.isolation.scenarios, the probe client in
-kvproxy.tools.client, the diagnosis of an unarmed tripwire in kvproxy.tools.isolation.diagnosis and the
-command line in kvproxy.tools.isolation.cli.
+(`/sim/faults`). The scenarios themselves are in `scenarios`, the probe client in
+kvproxy.tools.client, the diagnosis of an unarmed tripwire in `diagnosis` and the command line
+in `cli` (modules of this package).
 
 Before any scenario: the model comes from the target's `/v1/models` unless `--model` is
 given (routers such as smg route by model), and one preflight request must be served; a
@@ -92,7 +92,7 @@ async def models_to_check(opts: CanaryOptions) -> list[str]:
     return list(dict.fromkeys(ids)) if ids is not None and len(ids) > 1 else []
 
 
-MODELS_SCHEMA = "kvproxy.response.tripwire.models/1"
+MODELS_SCHEMA = "kvproxy.canary.models/1"
 
 
 def worst(verdicts: Iterable[str]) -> str:
@@ -102,7 +102,7 @@ def worst(verdicts: Iterable[str]) -> str:
 
 
 def combined_json(reports: list[CanaryReport]) -> dict[str, Any]:
-    """One report per model (each a complete `kvproxy.response.tripwire/1` report) and the worst
+    """One report per model (each a complete `kvproxy.canary/1` report) and the worst
     verdict: the isolation holds only if it holds for every model."""
     return {
         "schema": MODELS_SCHEMA,
@@ -163,7 +163,7 @@ async def _run(opts: CanaryOptions, http: aiohttp.ClientSession) -> CanaryReport
         results = [await _scenario(h, name) for name in opts.scenarios]
     verdict = worst(r.verdict for r in results)
     return CanaryReport(
-        schema="kvproxy.response.tripwire/1",
+        schema="kvproxy.canary/1",
         kvproxy_version=__version__,
         target=opts.target,
         sim=opts.sim,
