@@ -18,7 +18,7 @@ import orjson
 
 from kvproxy import __version__
 from kvproxy.config import ConfigError, Settings, load_settings
-from kvproxy.observe.logs import setup_logging
+from kvproxy.observe import setup_logging
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
 
     async def main() -> int:
-        from kvproxy.serve.app import KvproxyServer
+        from kvproxy.serve import KvproxyServer
 
         server = KvproxyServer(settings)
         await server.start()
@@ -90,12 +90,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvproxy.sim.launcher import SimCluster, SimOptions
+    from kvproxy.sim import SimCluster, SimOptions
 
     opts = SimOptions(host="127.0.0.1", port=args.sim_port, mode=args.mode)
 
     async def main() -> int:
-        from kvproxy.serve.app import KvproxyServer
+        from kvproxy.serve import KvproxyServer
 
         sim = SimCluster(opts)
         await sim.start()
@@ -166,21 +166,21 @@ The same request through kvproxy (400 context_length_exceeded, nothing reaches t
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from kvproxy.sim.launcher import run
+    from kvproxy.sim import run
 
     return run(args)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from kvproxy.tools.check.cli import run_check
+    from kvproxy.tools import check_cli
 
-    return run_check(args)
+    return check_cli.run_check(args)
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
-    from kvproxy.tools.isolation.cli import run_canary
+    from kvproxy.tools import canary_cli
 
-    return run_canary(args)
+    return canary_cli.run_canary(args)
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
@@ -190,21 +190,21 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sim_args(p: argparse.ArgumentParser) -> None:
-    from kvproxy.sim.launcher import add_arguments
+    from kvproxy.sim import add_arguments
 
     add_arguments(p)
 
 
 def _check_args(p: argparse.ArgumentParser) -> None:
-    from kvproxy.tools.check.cli import add_arguments
+    from kvproxy.tools import check_cli
 
-    add_arguments(p)
+    check_cli.add_arguments(p)
 
 
 def _canary_args(p: argparse.ArgumentParser) -> None:
-    from kvproxy.tools.isolation.cli import add_arguments
+    from kvproxy.tools import canary_cli
 
-    add_arguments(p)
+    canary_cli.add_arguments(p)
 
 
 # name -> (help, arguments, run). A subcommand's module is imported only when it runs, and

@@ -28,7 +28,7 @@ SANS_IO = (
     "kvproxy.response.payload",
     "kvproxy.response.sse",
     "kvproxy.response.usage",
-    "kvproxy.upstream.origin",
+    "kvproxy.policy.origin",
 )
 
 _PROBE = """

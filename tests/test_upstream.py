@@ -14,8 +14,8 @@ import pytest
 from multidict import CIMultiDict
 
 from kvproxy.config import ConfigError, load_settings
+from kvproxy.policy.origin import parse_origin
 from kvproxy.upstream.boundary import classify
-from kvproxy.upstream.origin import parse_origin
 from kvproxy.upstream.pool import (
     READ_HIGH_WATER,
     UpstreamConnectError,

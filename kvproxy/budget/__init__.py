@@ -1,1 +1,8 @@
-"""budget."""
+"""The in-flight budget: how many prompt tokens and requests may be upstream at once, on
+this replica (`local`) or shared by every replica through Redis (`cluster`); `build_budget`
+picks one from the settings. A lease is held until the upstream is closed (I6)."""
+
+from kvproxy.budget.build import build_budget
+from kvproxy.budget.local import Budget, BudgetLease, Lease, charge_tokens
+
+__all__ = ["Budget", "BudgetLease", "Lease", "build_budget", "charge_tokens"]

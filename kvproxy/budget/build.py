@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvproxy.budget.local import Budget, InflightBudget
 from kvproxy.config import IMPLICIT_MODEL, ConfigError, Settings
-from kvproxy.observe.metrics import Metrics
+from kvproxy.observe import Metrics
 
 
 def build_budget(s: Settings, metrics: Metrics, model: str = IMPLICIT_MODEL) -> Budget:

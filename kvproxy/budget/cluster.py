@@ -46,7 +46,7 @@ from kvproxy.budget.leases import FallbackLease, RedisLease
 from kvproxy.budget.local import InflightBudget, retry_after_s
 from kvproxy.budget.scripts import ACQUIRE, LEAVE_QUEUE, RELEASE, RENEW, BudgetKeys
 from kvproxy.config import IMPLICIT_MODEL
-from kvproxy.observe.metrics import Metrics
+from kvproxy.observe import Metrics
 from kvproxy.policy import errors
 
 log = logging.getLogger("kvproxy.budget")

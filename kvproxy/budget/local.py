@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from kvproxy.config import IMPLICIT_MODEL
-from kvproxy.observe.metrics import Metrics
+from kvproxy.observe import Metrics
 from kvproxy.policy import errors
 
 # A client that got 429 should come back soon but not hammer us; the queue timeout is the

@@ -23,8 +23,8 @@ from yarl import URL
 
 from kvproxy.capacity.measurement import ProbeError
 from kvproxy.config import EngineSpec
-from kvproxy.policy.errors import UpstreamFailure
-from kvproxy.upstream.boundary import network_boundary
+from kvproxy.policy import UpstreamFailure
+from kvproxy.upstream import network_boundary
 
 # (host, port) -> addresses. Injected in tests; the default asks the system resolver.
 Resolver = Callable[[str, int], Awaitable[list[str]]]

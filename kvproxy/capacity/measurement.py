@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from kvproxy.posture.engine import EnginePosture
+    from kvproxy.posture import EnginePosture
 
 Role = Literal["prefill", "decode", "unified"]
 Kind = Literal["sglang", "vllm", "static"]

@@ -34,10 +34,10 @@ import aiohttp
 from kvproxy.capacity.discovery import Resolver, expand_engine, system_resolver
 from kvproxy.capacity.limits import Limits, limits_for
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError, Role
+from kvproxy.capacity.posture import PostureTracker
 from kvproxy.capacity.probes import probe_engine
 from kvproxy.config import IMPLICIT_MODEL, EngineSpec, Settings
-from kvproxy.observe.metrics import Metrics
-from kvproxy.posture.tracker import PostureTracker
+from kvproxy.observe import Metrics
 
 log = logging.getLogger("kvproxy.capacity")
 

@@ -20,8 +20,8 @@ from kvproxy.capacity.reports import probe_error_from_exception
 from kvproxy.capacity.sglang import probe_sglang
 from kvproxy.capacity.vllm import probe_vllm
 from kvproxy.config import EngineSpec
-from kvproxy.policy.errors import UpstreamFailure
-from kvproxy.upstream.boundary import network_boundary
+from kvproxy.policy import UpstreamFailure
+from kvproxy.upstream import network_boundary
 
 
 def measure_static(spec: EngineSpec, *, measured_at: float | None = None) -> EngineMeasurement:

@@ -23,8 +23,8 @@ import aiohttp
 import orjson
 
 from kvproxy.capacity.measurement import ProbeError
-from kvproxy.policy.errors import NetworkKind, UpstreamFailure
-from kvproxy.upstream.boundary import failure_from, network_boundary
+from kvproxy.policy import NetworkKind, UpstreamFailure
+from kvproxy.upstream import failure_from, network_boundary
 
 # /server_info is ~40-160 KB; vLLM /metrics with histograms a few hundred KB. 16 MiB is
 # far above any honest answer and still bounds memory against a misbehaving endpoint.

@@ -48,7 +48,7 @@ from kvproxy.capacity.reports import (
 )
 from kvproxy.capacity.sglang_args import read_server_args
 from kvproxy.config import EngineSpec
-from kvproxy.posture.engine import FAILURE_COUNTERS, read_posture
+from kvproxy.posture import FAILURE_COUNTERS, read_posture
 
 GAUGE_POOL = "sglang:max_total_num_tokens"
 GAUGE_CONTEXT = "sglang:context_len"

@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvproxy.upstream.origin import parse_origin
+from kvproxy.policy import parse_origin
 
 # Names travel in metric labels and logs: bounded length, no whitespace or control bytes.
 NAME_PATTERN = r"^[^\s\x00-\x1f]{1,128}$"

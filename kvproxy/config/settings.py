@@ -45,7 +45,7 @@ from kvproxy.config.models import (
     check_entries,
     check_upstream,
 )
-from kvproxy.policy.errors import ConfigError as ConfigError  # raised here; callers import it here
+from kvproxy.policy import ConfigError as ConfigError  # raised here; callers import it here
 
 MIB = 1024 * 1024
 
@@ -199,7 +199,7 @@ class Settings(ModelFields, BaseSettings):
     @field_validator("passthrough_routes")
     @classmethod
     def _passthrough(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        from kvproxy.policy.routes import parse_passthrough  # the allowlist's one parser
+        from kvproxy.policy import parse_passthrough  # the allowlist's one parser
 
         parse_passthrough(v)
         return v
@@ -210,7 +210,7 @@ class Settings(ModelFields, BaseSettings):
             raise ValueError("capacity_stale_s must be >= capacity_refresh_s")
         if self.budget_backend == "redis" and self.redis_url is None:
             raise ValueError("budget_backend redis needs redis_url")
-        from kvproxy.posture.advisories import load_table  # imports nothing of config
+        from kvproxy.posture import load_table  # pure: imports nothing of config
 
         load_table(self.advisories_file, self.accept_advisories)  # AdvisoryError: ValueError
         if self.models:

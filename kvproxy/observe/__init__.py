@@ -1,1 +1,8 @@
-"""observe."""
+"""What kvproxy tells its operators: every Prometheus metric, defined once (`metrics`), and
+JSON-lines logging with the one access line per request (`logs`). Never prompt or
+completion text (I8)."""
+
+from kvproxy.observe.logs import ACCESS_LOGGER, emit_access, log_event, setup_logging
+from kvproxy.observe.metrics import UNKNOWN_MODEL, Metrics
+
+__all__ = ["ACCESS_LOGGER", "UNKNOWN_MODEL", "Metrics", "emit_access", "log_event", "setup_logging"]

@@ -1,4 +1,4 @@
-"""Logging: JSON lines on stderr, and the one access-log record per request.
+"""Logging: JSON lines on stderr, and the one access line per request.
 
 Must never: log prompt or completion text (I8), bearer tokens, or request bodies. The
 access log takes an explicit, closed set of fields; nothing free-form from a request is
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -36,7 +35,7 @@ class JsonFormatter(logging.Formatter):
 
 class JsonStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The JSON-lines handler `setup_logging` installs; the access log may write to it
-    directly (`AccessRecord.emit`)."""
+    directly (`emit_access`)."""
 
 
 def setup_logging(level: str = "info") -> None:
@@ -63,66 +62,30 @@ def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> No
         logger.log(level, msg, extra={"fields": fields})
 
 
-@dataclass
-class AccessRecord:
-    """One line per request. Every field is a size, a duration, an id or a label."""
-
-    request_id: str
-    method: str
-    path: str
-    route: str
-    status: int = 0
-    decision: str = "passthrough"
-    reason: str | None = None
-    tenant: str | None = None
-    # The configured model the request was admitted against (several models only).
-    model: str | None = None
-    prompt_tokens: int | None = None
-    count_method: str | None = None
-    # exact | upper-bound | lower-bound: what prompt_tokens is (X-Kvproxy-Prompt-Tokens-Kind).
-    prompt_tokens_kind: str | None = None
-    bytes_in: int = 0
-    bytes_out: int = 0
-    ttft_s: float | None = None
-    client_disconnect: str | None = None
-    deferred_outcome: str | None = None
-    deferred_s: float | None = None
-    upstream_outcome: str | None = None
-    started: float = 0.0
-    duration_s: float = 0.0
-
-    def finish(self) -> None:
-        self.duration_s = round(time.monotonic() - self.started, 6)
-        if self.ttft_s is not None:
-            self.ttft_s = round(self.ttft_s, 6)
-        if self.deferred_s is not None:
-            self.deferred_s = round(self.deferred_s, 6)
-
-    def emit(self, logger: logging.Logger) -> None:
-        if logger.isEnabledFor(logging.INFO):
-            # vars(), not dataclasses.asdict(): every field is a scalar, and asdict's deep
-            # copy was 6% of a small request's CPU in the benchmark profile.
-            fields = {k: v for k, v in vars(self).items() if v is not None and k != "started"}
-            direct = _only_json_handler(logger)
-            if direct is not None:
-                # The line JsonFormatter would write, without the LogRecord, the handler
-                # walk and the formatter (they were ~8% of a small request's CPU). Only
-                # when that is all the logging configuration would do with the record.
-                out = {"ts": round(time.time(), 3), "level": "info", "logger": logger.name,
-                       "msg": "request", **fields}  # fmt: skip
-                line = orjson.dumps(out, default=str).decode() + direct.terminator
-                with direct.lock:  # type: ignore[union-attr]  # a StreamHandler has one
-                    direct.stream.write(line)
-                    direct.stream.flush()
-                return
-            # makeRecord + handle, not logger.info: info() walks the stack to find the
-            # caller's file and line (findCaller), which a fixed access line never shows;
-            # 4.8 -> 3.2 us per record. Handlers, filters and propagation are the same.
-            record = logger.makeRecord(
-                logger.name, logging.INFO, __file__, 0, "request", (), None,
-                extra={"fields": fields},
-            )  # fmt: skip
-            logger.handle(record)
+def emit_access(logger: logging.Logger, fields: dict[str, Any]) -> None:
+    """Write one access line (kvproxy.serve.context's `access_fields`: sizes, durations,
+    ids and labels only)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    direct = _only_json_handler(logger)
+    if direct is not None:
+        # The line JsonFormatter would write, without the LogRecord, the handler walk and
+        # the formatter (they were ~8% of a small request's CPU). Only when that is all the
+        # logging configuration would do with the record.
+        out = {"ts": round(time.time(), 3), "level": "info", "logger": logger.name,
+               "msg": "request", **fields}  # fmt: skip
+        line = orjson.dumps(out, default=str).decode() + direct.terminator
+        with direct.lock:  # type: ignore[union-attr]  # a StreamHandler has one
+            direct.stream.write(line)
+            direct.stream.flush()
+        return
+    # makeRecord + handle, not logger.info: info() walks the stack to find the caller's file
+    # and line (findCaller), which a fixed access line never shows; 4.8 -> 3.2 us per record.
+    # Handlers, filters and propagation are the same.
+    record = logger.makeRecord(
+        logger.name, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields}
+    )
+    logger.handle(record)
 
 
 def _only_json_handler(logger: logging.Logger) -> JsonStreamHandler | None:

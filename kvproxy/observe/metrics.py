@@ -15,8 +15,7 @@ from typing import Any, Self, get_args
 import prometheus_client
 from prometheus_client import CollectorRegistry
 
-from kvproxy.policy.counts import CountMethod
-from kvproxy.policy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
+from kvproxy.policy import DEFERRED_OUTCOMES, DISCONNECT_PHASES, CountMethod
 
 # Seconds: a 1M-token prefill can take minutes; default buckets stop at 10 s.
 LONG_SECONDS = (

@@ -260,6 +260,18 @@ def budget_unavailable(retry_after_s: int) -> KvproxyError:
     )
 
 
+def shutting_down() -> KvproxyError:
+    """SIGTERM arrived: this replica takes no new request (its in-flight ones drain)."""
+    return KvproxyError(
+        status=503,
+        code="shutting_down",
+        reason="shutting_down",
+        type="service_unavailable",
+        message="kvproxy is shutting down; retry on another replica",
+        headers={"Retry-After": "1", "Connection": "close"},
+    )
+
+
 def method_not_allowed(method: str) -> KvproxyError:
     return KvproxyError(
         status=405,

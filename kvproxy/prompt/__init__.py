@@ -4,12 +4,14 @@
 prefill and `PromptShape` a whole request. Everything else in this package is private.
 """
 
+from kvproxy.prompt.chat import REFUSED_TEMPLATE_KWARGS
 from kvproxy.prompt.parse import parse_request
 from kvproxy.prompt.shape import MAX_N, MAX_OUTPUT_TOKENS, PromptShape, SequencePrompt, load_json
 
 __all__ = [
     "MAX_N",
     "MAX_OUTPUT_TOKENS",
+    "REFUSED_TEMPLATE_KWARGS",
     "PromptShape",
     "SequencePrompt",
     "load_json",

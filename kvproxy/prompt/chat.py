@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvproxy.policy.errors import invalid_request
+from kvproxy.policy import invalid_request
 from kvproxy.prompt.shape import (
     AUDIO_PART_TYPES,
     IMAGE_PART_TYPES,

@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvproxy.policy.errors import invalid_request
-from kvproxy.policy.routes import Route
+from kvproxy.policy import Route, invalid_request
 from kvproxy.prompt.chat import _chat
 from kvproxy.prompt.prompt_only import PROMPT_ONLY
 from kvproxy.prompt.shape import PromptShape, SequencePrompt, _json_text, _opt_int

@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvproxy.policy.errors import invalid_request
-from kvproxy.policy.routes import Route
+from kvproxy.policy import Route, invalid_request
 from kvproxy.prompt.chat import _chat
 from kvproxy.prompt.shape import (
     MAX_N,

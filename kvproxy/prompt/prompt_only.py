@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvproxy.policy.errors import invalid_request
+from kvproxy.policy import invalid_request
 from kvproxy.prompt.parse import _ids, _media_count
 from kvproxy.prompt.shape import SequencePrompt
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import orjson
 
-from kvproxy.policy.errors import invalid_request
-from kvproxy.policy.routes import Route
+from kvproxy.policy import Route, invalid_request
 
 # Requests asking for more than 2**31 - 1 output tokens or 128 choices are malformed, not big:
 # OpenAI caps n at 128 and engines store max_tokens as int32.

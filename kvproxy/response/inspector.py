@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvproxy.policy import errors
-from kvproxy.policy.errors import KvproxyError
+from kvproxy.policy import KvproxyError, errors
 from kvproxy.response.guard import StreamGuard
 from kvproxy.response.tripwire import CanaryHit, CanaryScanner
 from kvproxy.response.usage import prompt_tokens_in

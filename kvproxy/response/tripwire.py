@@ -57,8 +57,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvproxy.policy.errors import ConfigError
-from kvproxy.policy.tenants import sanitize_tenant
+from kvproxy.policy import ConfigError, sanitize_tenant
 from kvproxy.response.payload import SEP, read_body
 
 if TYPE_CHECKING:

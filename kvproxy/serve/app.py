@@ -22,15 +22,15 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvproxy.config import Settings
-from kvproxy.observe.metrics import Metrics
-from kvproxy.policy.tenants import TenantResolver
-from kvproxy.response.tripwire import CanaryRules
+from kvproxy.observe import Metrics
+from kvproxy.policy import TenantResolver
+from kvproxy.response import CanaryRules
 from kvproxy.serve.handler import SERVICES_KEY, STATE_KEY, handle
 from kvproxy.serve.models import build_table
 from kvproxy.serve.state import ServerState, Services
 from kvproxy.serve.watch import DisconnectWatcher, LoopLagMonitor, release_heap, settle_heap
 from kvproxy.tokens import TokenCounter
-from kvproxy.upstream.pool import UpstreamPool
+from kvproxy.upstream import UpstreamPool
 
 log = logging.getLogger("kvproxy.app")
 

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.policy import errors
-from kvproxy.policy.errors import KvproxyError
+from kvproxy.policy import KvproxyError, errors
 
 # Content codings kvproxy decodes, by their token (RFC 9110 §8.4.1: case-insensitive;
 # `x-gzip` is gzip's registered alias). Values are zlib `wbits`: 31 = gzip container only.

@@ -1,16 +1,23 @@
-"""The public handler: read the body, decide admission, forward, relay.
+"""The public handler: one request, through its stages, to the relay.
 
-Order matters and each step fails closed:
-  0. routes fail closed (kvproxy.policy.routes): a path that is neither counted nor
-     pass-through is a 404 and is never forwarded;
-  1. refuse while stopping, refuse oversize bodies on Content-Length (413) before reading;
-  2. read the body under a deadline (slowloris: 408); on counted routes undo its
-     Content-Encoding (kvproxy.serve.body: 400 undecodable, 415 unsupported, 413 past the limit);
-  3. capacity unknown -> 503 before any parsing (I3);
-  4. parse (400 naming the field), count (bound first, exact only if needed), decide (I1, I4);
-  5. take in-flight budget (429 when it cannot be had in time);
-  6. forward the bytes as read (decoded if they were; no re-serialisation) and relay (I5, I6).
-A rejected request sends nothing upstream (I7). Nothing here logs request or response text (I8).
+    handle(request)
+      builds a RequestContext (kvproxy.serve.context): route, request id, tenant
+      runs the stages in order; each reads and fills the context and returns a refusal
+      (a `KvproxyError`), ABANDONED (the client left before anything was sent) or None:
+        every request     refuse_when_stopping, refuse_route, refuse_oversize, read_body,
+                          upstream_headers
+        counted routes    require_post, decode_body, pick_model, admit, take_budget,
+                          recheck_after_queue, clamp
+      forwards the bytes as read (decoded if they were; no re-serialisation) through the
+      relay (kvproxy.serve.relay: I5, I6)
+    One way out for a refusal (`_refuse`), one `finally` that gives the in-flight budget
+    back once the upstream is closed (I6) and writes the access line (a view of the context).
+
+Each stage fails closed: routes that are neither counted nor pass-through are a 404 and
+never forwarded (kvproxy.policy.routes); capacity unknown is a 503 before any parsing (I3);
+only a guaranteed bound or an exact count admits (I1, I4). A refused request sends nothing
+upstream (I7). Nothing here logs request or response text (I8): the access line carries
+sizes, ids and labels.
 """
 
 from __future__ import annotations
@@ -19,20 +26,19 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
+from typing import Final
 
 from aiohttp import web
 
-from kvproxy.budget.local import charge_tokens
-from kvproxy.observe.logs import ACCESS_LOGGER, AccessRecord
-from kvproxy.policy import admission, errors
-from kvproxy.policy.clamp import clamp_output
-from kvproxy.policy.errors import ErrorStyle, KvproxyError
-from kvproxy.policy.routes import Route, RouteMatch, route_table
-from kvproxy.prompt import PromptShape
-from kvproxy.prompt.parse import parse_request
+from kvproxy.budget import charge_tokens
+from kvproxy.observe import ACCESS_LOGGER, emit_access
+from kvproxy.policy import KvproxyError, admission, clamp_output, errors, route_table
+from kvproxy.prompt import parse_request
+from kvproxy.response import CanaryScanner
 from kvproxy.serve.body import content_coding, decode, forwarded_headers, read_arrived, read_raw
+from kvproxy.serve.context import RequestContext
 from kvproxy.serve.headers import filter_headers
-from kvproxy.serve.models import ModelServices
 from kvproxy.serve.relay import Exchange
 from kvproxy.serve.replies import client_gone, client_gone_response, error_response
 from kvproxy.serve.state import ServerState, Services
@@ -44,6 +50,17 @@ STATE_KEY = web.AppKey("kvproxy_state", ServerState)
 SERVICES_KEY = web.AppKey("kvproxy_services", Services)
 
 
+class _Abandoned:
+    """The client left before anything was sent upstream: nothing to answer, nothing to
+    defer (counted as abandoned, not as a client disconnect: those are the requests whose
+    upstream the drain machine holds, and each of them ends in a deferral outcome)."""
+
+
+ABANDONED: Final = _Abandoned()
+Stop = KvproxyError | _Abandoned
+Stage = Callable[[RequestContext], Awaitable[Stop | None]]
+
+
 async def handle(request: web.Request) -> web.StreamResponse:
     services = request.app[SERVICES_KEY]
     state = request.app[STATE_KEY]
@@ -52,198 +69,191 @@ async def handle(request: web.Request) -> web.StreamResponse:
         request.method, request.rel_url.raw_path
     )
     route = match.route
-    rec = AccessRecord(
+    ctx = RequestContext(
+        request=request,
+        services=services,
+        state=state,
+        match=match,
+        style=errors.error_style(route),
         request_id=request.headers.get("X-Request-ID") or os.urandom(16).hex(),
         method=request.method,
         path=request.path if route is not None else "other",
         route=match.label,
         started=time.monotonic(),
+        tenant=services.tenants.resolve(request.headers),
     )
+    ctx.reply_headers["X-Request-ID"] = ctx.request_id
     state.enter()
     try:
         try:
-            resp = await _handle(services, state, request, match, rec)
+            resp = await _run(ctx, COUNTED if route is not None else EVERY_REQUEST)
         except Exception as exc:
             # A bug must cost one request a 500, never the process; the log names the
             # exception type only (its message could quote request content).
-            log.error("internal error handling request %s: %s", rec.request_id, type(exc).__name__)
-            rec.reason = "internal_error"
+            log.error("internal error handling request %s: %s", ctx.request_id, type(exc).__name__)
+            ctx.reason = "internal_error"
             resp = error_response(
-                errors.internal_error(), {"X-Request-ID": rec.request_id}, errors.error_style(route)
+                errors.internal_error(), {"X-Request-ID": ctx.request_id}, ctx.style
             )
         if resp is not None:
-            rec.status = resp.status
-        elif rec.status == 0:
-            rec.status = 499 if rec.client_disconnect else 200
-        services.metrics.responses_total.labels(rec.route, str(rec.status)).inc()
+            ctx.status = resp.status
+        elif ctx.status == 0:
+            ctx.status = 499 if ctx.client_disconnect else 200
+        services.metrics.responses_total.labels(ctx.route, str(ctx.status)).inc()
         return resp if resp is not None else client_gone_response()
     finally:
-        rec.finish()
-        services.metrics.request_duration.labels(rec.route).observe(rec.duration_s)
+        ctx.release_lease()
+        ctx.finish()
+        services.metrics.request_duration.labels(ctx.route).observe(ctx.duration_s)
         services.metrics.requests_total.labels(
-            rec.route, rec.decision, services.models.label(rec.model)
+            ctx.route, ctx.decision, services.models.label(ctx.model)
         ).inc()
         if services.settings.access_log:
-            rec.emit(access_log)
+            emit_access(access_log, ctx.access_fields())
         state.leave()
 
 
-async def _handle(
-    services: Services,
-    state: ServerState,
-    request: web.Request,
-    match: RouteMatch,
-    rec: AccessRecord,
-) -> web.StreamResponse | None:
-    s = services.settings
-    route = match.route
-    style = errors.error_style(route)
-    tenant = services.tenants.resolve(request.headers)
-    rec.tenant = tenant
-
-    if state.stopping:
-        err = KvproxyError(
-            status=503,
-            code="shutting_down",
-            reason="shutting_down",
-            type="service_unavailable",
-            message="kvproxy is shutting down; retry on another replica",
-            headers={"Retry-After": "1", "Connection": "close"},
-        )
-        return _reject(services, rec, err, style)
-
-    if match.kind == "refused":
-        # Before the body is read: nothing of it is needed, and nothing is sent (I7).
-        return _reject(services, rec, errors.route_not_found(match.why), style)
-
-    if request.content_length is not None and request.content_length > s.max_body_bytes:
-        return _reject(
-            services, rec, errors.body_too_large(request.content_length, s.max_body_bytes), style
-        )
-
-    try:
-        body, whole = read_arrived(request, s.max_body_bytes)
-        if not whole:
-            # asyncio.timeout, not wait_for: no extra task per request on the hot path.
-            async with asyncio.timeout(s.body_read_timeout_s):
-                body = await read_raw(request, s.max_body_bytes, body)
-    except KvproxyError as err:
-        return _reject(services, rec, err, style)
-    except TimeoutError:
-        return _reject(services, rec, errors.body_read_timeout(s.body_read_timeout_s), style)
-    except ConnectionResetError:
-        # The client left mid-upload: nothing was sent upstream, nothing to defer. Counted as
-        # an abandoned request, not a client disconnect: those are the ones whose upstream
-        # the drain machine holds, so every one of them ends in a deferral outcome.
-        rec.decision = "abandoned"
-        return None
-    rec.bytes_in = len(body)
-
-    extra = {"X-Request-ID": rec.request_id}
-    headers = filter_headers(request.headers)
-    headers["X-Request-ID"] = rec.request_id
-    for name in services.tenants.headers_to_strip():
-        headers.popall(name, None)
-
-    streaming = False
-    lease = None
-    upstream = s.upstream
-    if route is not None:
-        if request.method != "POST":
-            return _reject(services, rec, errors.method_not_allowed(request.method), style)
-        # Counted routes see (and forward) the decoded body, so what is counted is what the
-        # engine reads and the headers say what is sent; pass-through keeps the wire bytes.
-        try:
-            coding = content_coding(request.headers.getall("Content-Encoding", ()))
-            decoded = await decode(body, coding, s.max_body_bytes)
-        except KvproxyError as err:
-            return _reject(services, rec, err, style)
-        body = decoded.data
-        forwarded_headers(headers, decoded)
-        # The answer must come back uncompressed: the tripwire, the SSE reader and the usage
-        # drift check read its bytes, and compressed bytes would hide a foreign marker.
-        headers["Accept-Encoding"] = "identity"
-        # The model the request names picks the capacity, counter and budget (kvproxy.serve.models).
-        svc = services.models.for_request(body)
-        if isinstance(svc, KvproxyError):
-            return _reject(services, rec, svc, style)
-        rec.model = svc.name
-        upstream = svc.upstream
-        decided = await _admit(services, svc, route, body, rec)
-        if isinstance(decided, KvproxyError):
-            return _reject(services, rec, decided, style)
-        shape, verdict = decided
-        streaming = shape.stream
-        extra["X-Kvproxy-Decision"] = "admitted"
-        extra["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
-        extra["X-Kvproxy-Prompt-Tokens-Kind"] = rec.prompt_tokens_kind or "exact"
-        try:
-            # The budget holds what the engines will hold: every sequence, every sample.
-            lease = await svc.budget.acquire(charge_tokens(verdict.total, shape.n))
-        except KvproxyError as err:
-            return _reject(services, rec, err, style, extra)
-        rec.decision = "admitted"
-        if client_gone(request):
-            # It left while being counted or queued: nothing was sent, so nothing to defer.
-            lease.release()
-            rec.decision = "abandoned"
+async def _run(ctx: RequestContext, stages: tuple[Stage, ...]) -> web.StreamResponse | None:
+    for stage in stages:
+        stop = await stage(ctx)
+        if stop is ABANDONED:
+            ctx.decision = "abandoned"
             return None
-        if lease.waited_s > 0:
-            again = admission.recheck(verdict, svc.capacity.limits(), _policy(services))
-            if isinstance(again, admission.Reject):
-                lease.release()
-                return _reject(services, rec, again.error, style, extra)
-            verdict = again
-        # Clamped from the verdict that holds at send time: a decode pool that shrank while
-        # the request queued needs a smaller cap than the one decided before (I4).
-        if verdict.clamped_output_tokens is not None:
-            try:
-                body = clamp_output(body, route, verdict.clamped_output_tokens)
-            except KvproxyError as err:
-                lease.release()
-                return _reject(services, rec, err, style, extra)
-            extra["X-Kvproxy-Output-Clamped"] = str(verdict.clamped_output_tokens)
-
-    scanner = services.canaries.scanner(tenant) if services.canaries.active else None
+        if isinstance(stop, KvproxyError):
+            return _refuse(ctx, stop)
     exchange = Exchange(
-        services,
-        state.hard_stop,
-        request,
-        rec,
-        streaming=streaming,
-        scanner=scanner,
-        extra_headers=extra,
-        style=style,
+        ctx.services,
+        ctx.state.hard_stop,
+        ctx.request,
+        ctx,
+        streaming=ctx.streaming,
+        scanner=_scanner(ctx),
+        extra_headers=ctx.reply_headers,
+        style=ctx.style,
     )
     try:
-        target = request.rel_url.raw_path_qs
-        resp = await exchange.run(upstream, request.method, target, headers, body)
+        target = ctx.request.rel_url.raw_path_qs
+        resp = await exchange.run(ctx.upstream_url, ctx.method, target, ctx.headers, ctx.body)
     finally:
-        # I6: the budget comes back only now, when the upstream connection is closed.
-        if lease is not None:
-            lease.release()
-    if exchange.prompt_tokens is not None and rec.prompt_tokens is not None:
-        _drift(services, rec, exchange.prompt_tokens)
+        ctx.release_lease()  # I6: only now is the upstream connection closed
+    if exchange.prompt_tokens is not None and ctx.prompt_tokens is not None:
+        _drift(ctx, exchange.prompt_tokens)
     # A streamed response must be handed back to aiohttp itself: returning any other object
     # would make it write a second status line onto the same keep-alive connection.
     return resp if resp is not None else exchange.client
 
 
-async def _admit(
-    services: Services, svc: ModelServices, route: Route, body: bytes, rec: AccessRecord
-) -> tuple[PromptShape, admission.Admit] | KvproxyError:
+def _refuse(ctx: RequestContext, err: KvproxyError) -> web.Response:
+    """The one way a request is refused: nothing of it was sent upstream (I7)."""
+    ctx.release_lease()
+    ctx.decision = "rejected"
+    ctx.reason = err.reason
+    ctx.services.metrics.rejections.labels(err.reason, ctx.services.models.label(ctx.model)).inc()
+    headers = ctx.reply_headers
+    headers["X-Kvproxy-Decision"] = "rejected"
+    if ctx.prompt_tokens is not None:
+        headers["X-Kvproxy-Prompt-Tokens"] = str(ctx.prompt_tokens)
+        headers["X-Kvproxy-Prompt-Tokens-Kind"] = ctx.prompt_tokens_kind or "exact"
+    return error_response(err, headers, ctx.style)
+
+
+# --- every request ---------------------------------------------------------------------
+
+
+async def refuse_when_stopping(ctx: RequestContext) -> Stop | None:
+    return errors.shutting_down() if ctx.state.stopping else None
+
+
+async def refuse_route(ctx: RequestContext) -> Stop | None:
+    # Before the body is read: nothing of it is needed, and nothing is sent (I7).
+    return errors.route_not_found(ctx.match.why) if ctx.match.kind == "refused" else None
+
+
+async def refuse_oversize(ctx: RequestContext) -> Stop | None:
+    declared, limit = ctx.request.content_length, ctx.services.settings.max_body_bytes
+    return (
+        errors.body_too_large(declared, limit)
+        if declared is not None and declared > limit
+        else None
+    )
+
+
+async def read_body(ctx: RequestContext) -> Stop | None:
+    s = ctx.services.settings
+    try:
+        body, whole = read_arrived(ctx.request, s.max_body_bytes)
+        if not whole:
+            # asyncio.timeout, not wait_for: no extra task per request on the hot path.
+            async with asyncio.timeout(s.body_read_timeout_s):
+                body = await read_raw(ctx.request, s.max_body_bytes, body)
+    except KvproxyError as err:
+        return err
+    except TimeoutError:
+        return errors.body_read_timeout(s.body_read_timeout_s)
+    except ConnectionResetError:
+        return ABANDONED  # it left mid-upload: nothing was sent upstream
+    ctx.body = body
+    ctx.bytes_in = len(body)
+    return None
+
+
+async def upstream_headers(ctx: RequestContext) -> Stop | None:
+    headers = filter_headers(ctx.request.headers)
+    headers["X-Request-ID"] = ctx.request_id
+    for name in ctx.services.tenants.headers_to_strip():
+        headers.popall(name, None)
+    ctx.headers = headers
+    return None
+
+
+# --- counted routes ----------------------------------------------------------------------
+
+
+async def require_post(ctx: RequestContext) -> Stop | None:
+    return errors.method_not_allowed(ctx.method) if ctx.method != "POST" else None
+
+
+async def decode_body(ctx: RequestContext) -> Stop | None:
+    # Counted routes see (and forward) the decoded body, so what is counted is what the
+    # engine reads and the headers say what is sent; pass-through keeps the wire bytes.
+    try:
+        coding = content_coding(ctx.request.headers.getall("Content-Encoding", ()))
+        decoded = await decode(ctx.body, coding, ctx.services.settings.max_body_bytes)
+    except KvproxyError as err:
+        return err
+    ctx.body = decoded.data
+    forwarded_headers(ctx.headers, decoded)
+    # The answer must come back uncompressed: the tripwire, the SSE reader and the usage
+    # drift check read its bytes, and compressed bytes would hide a foreign marker.
+    ctx.headers["Accept-Encoding"] = "identity"
+    return None
+
+
+async def pick_model(ctx: RequestContext) -> Stop | None:
+    # The model the request names picks the capacity, counter and budget (serve.models).
+    found = ctx.services.models.for_request(ctx.body)
+    if isinstance(found, KvproxyError):
+        return found
+    ctx.model_services = found
+    ctx.model = found.name
+    return None
+
+
+async def admit(ctx: RequestContext) -> Stop | None:
+    """I3, then parse, count (bound first, exact only if needed) and decide (I1, I4)."""
+    svc, metrics, route = ctx.model_services, ctx.services.metrics, ctx.match.route
+    assert svc is not None
+    assert route is not None
     limits = svc.capacity.limits()
-    why = services.models.unknown_why(svc)
-    pre = admission.precheck(limits, svc.capacity.retry_after_s(), why)
+    pre = admission.precheck(
+        limits, svc.capacity.retry_after_s(), ctx.services.models.unknown_why(svc)
+    )
     if pre is not None:
         return pre.error
     try:
-        shape = parse_request(route, body)
-    except KvproxyError as err:
-        return err
-    policy = _policy(services)
-    t0 = time.perf_counter()
-    try:
+        shape = parse_request(route, ctx.body)
+        policy = _policy(ctx.services)
+        t0 = time.perf_counter()
         count = await svc.counter.count(
             shape,
             admission.count_ceiling(shape, limits, policy),
@@ -251,16 +261,96 @@ async def _admit(
         )
     except KvproxyError as err:
         return err
-    m = services.metrics
-    m.admission_duration.labels(count.method).observe(time.perf_counter() - t0)
-    m.prompt_tokens.labels(count.method, svc.name).observe(count.tokens)
-    rec.prompt_tokens = count.tokens
-    rec.count_method = count.method
-    rec.prompt_tokens_kind = count.kind
+    metrics.admission_duration.labels(count.method).observe(time.perf_counter() - t0)
+    metrics.prompt_tokens.labels(count.method, svc.name).observe(count.tokens)
+    ctx.prompt_tokens = count.tokens
+    ctx.count_method = count.method
+    ctx.prompt_tokens_kind = count.kind
     verdict = admission.decide(count, shape, limits, policy)
     if isinstance(verdict, admission.Reject):
         return verdict.error
-    return shape, verdict
+    ctx.shape, ctx.verdict = shape, verdict
+    ctx.reply_headers["X-Kvproxy-Decision"] = "admitted"
+    ctx.reply_headers["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
+    ctx.reply_headers["X-Kvproxy-Prompt-Tokens-Kind"] = count.kind
+    return None
+
+
+async def take_budget(ctx: RequestContext) -> Stop | None:
+    svc, shape, verdict = ctx.model_services, ctx.shape, ctx.verdict
+    assert svc is not None
+    assert shape is not None
+    assert verdict is not None
+    try:
+        # The budget holds what the engines will hold: every sequence, every sample.
+        ctx.lease = await svc.budget.acquire(charge_tokens(verdict.total, shape.n))
+    except KvproxyError as err:
+        return err
+    ctx.decision = "admitted"
+    if client_gone(ctx.request):
+        # It left while being counted or queued: nothing was sent, so nothing to defer.
+        ctx.release_lease()
+        return ABANDONED
+    return None
+
+
+async def recheck_after_queue(ctx: RequestContext) -> Stop | None:
+    """The same decision on today's limits when the request waited for budget: a pool that
+    shrank meanwhile must not receive what it can no longer hold."""
+    svc, verdict, lease = ctx.model_services, ctx.verdict, ctx.lease
+    assert svc is not None
+    assert verdict is not None
+    assert lease is not None
+    if lease.waited_s <= 0:
+        return None
+    again = admission.recheck(verdict, svc.capacity.limits(), _policy(ctx.services))
+    if isinstance(again, admission.Reject):
+        return again.error
+    ctx.verdict = again
+    return None
+
+
+async def clamp(ctx: RequestContext) -> Stop | None:
+    # Clamped from the verdict that holds at send time: a decode pool that shrank while
+    # the request queued needs a smaller cap than the one decided before (I4).
+    verdict, route = ctx.verdict, ctx.match.route
+    assert verdict is not None
+    assert route is not None
+    if verdict.clamped_output_tokens is None:
+        return None
+    try:
+        ctx.body = clamp_output(ctx.body, route, verdict.clamped_output_tokens)
+    except KvproxyError as err:
+        return err
+    ctx.reply_headers["X-Kvproxy-Output-Clamped"] = str(verdict.clamped_output_tokens)
+    return None
+
+
+EVERY_REQUEST: tuple[Stage, ...] = (
+    refuse_when_stopping,
+    refuse_route,
+    refuse_oversize,
+    read_body,
+    upstream_headers,
+)
+COUNTED: tuple[Stage, ...] = (
+    *EVERY_REQUEST,
+    require_post,
+    decode_body,
+    pick_model,
+    admit,
+    take_budget,
+    recheck_after_queue,
+    clamp,
+)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _scanner(ctx: RequestContext) -> CanaryScanner | None:
+    canaries = ctx.services.canaries
+    return canaries.scanner(ctx.tenant) if canaries.active else None
 
 
 def _policy(services: Services) -> admission.Policy:
@@ -268,36 +358,18 @@ def _policy(services: Services) -> admission.Policy:
     return admission.Policy(s.decode_policy, s.default_output_tokens)
 
 
-def _reject(
-    services: Services,
-    rec: AccessRecord,
-    err: KvproxyError,
-    style: ErrorStyle,
-    extra: dict[str, str] | None = None,
-) -> web.Response:
-    rec.decision = "rejected"
-    rec.reason = err.reason
-    services.metrics.rejections.labels(err.reason, services.models.label(rec.model)).inc()
-    headers = dict(extra or {})
-    headers["X-Request-ID"] = rec.request_id
-    headers["X-Kvproxy-Decision"] = "rejected"
-    if rec.prompt_tokens is not None:
-        headers["X-Kvproxy-Prompt-Tokens"] = str(rec.prompt_tokens)
-        headers["X-Kvproxy-Prompt-Tokens-Kind"] = rec.prompt_tokens_kind or "exact"
-    return error_response(err, headers, style)
-
-
-def _drift(services: Services, rec: AccessRecord, engine_tokens: int) -> None:
-    assert rec.prompt_tokens is not None
-    check = admission.check_usage(rec.prompt_tokens, rec.count_method, engine_tokens)
+def _drift(ctx: RequestContext, engine_tokens: int) -> None:
+    assert ctx.prompt_tokens is not None
+    check = admission.check_usage(ctx.prompt_tokens, ctx.count_method, engine_tokens)
+    metrics = ctx.services.metrics
     if check.drift is not None:
-        services.metrics.token_count_drift.observe(check.drift)
+        metrics.token_count_drift.observe(check.drift)
     if check.bound_exceeded:
-        services.metrics.token_bound_exceeded.labels(services.models.label(rec.model)).inc()
+        metrics.token_bound_exceeded.labels(ctx.services.models.label(ctx.model)).inc()
         log.warning(
             "engine counted more prompt tokens than kvproxy's %s (%d > %d): the configured "
             "tokenizer does not match the model",
-            rec.count_method,
+            ctx.count_method,
             engine_tokens,
-            rec.prompt_tokens,
+            ctx.prompt_tokens,
         )

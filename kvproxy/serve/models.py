@@ -30,13 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvproxy.budget.build import build_budget
-from kvproxy.budget.local import Budget
+from kvproxy.budget import Budget, build_budget
 from kvproxy.capacity import CapacityMonitor
 from kvproxy.config import IMPLICIT_MODEL, Settings
-from kvproxy.observe.metrics import UNKNOWN_MODEL
-from kvproxy.policy import errors
-from kvproxy.policy.errors import KvproxyError
+from kvproxy.observe import UNKNOWN_MODEL
+from kvproxy.policy import KvproxyError, errors
 from kvproxy.prompt import load_json
 from kvproxy.tokens import TokenCounter, build_counter
 
@@ -109,10 +107,13 @@ class ModelTable:
         """Configured names (not aliases): the only values of a `model` metric label."""
         return tuple(m.name for m in self.models)
 
-    @staticmethod
-    def label(resolved: str | None) -> str:
-        """The `model` metric label for a request resolved to `resolved` (None: to none)."""
-        return resolved if resolved is not None else UNKNOWN_MODEL
+    def label(self, resolved: str | None) -> str:
+        """The `model` metric label for a request resolved to `resolved` (None: to none,
+        e.g. a pass-through or refused route: the implicit table's one model answers every
+        request, so even those carry its name)."""
+        if resolved is not None:
+            return resolved
+        return self.models[0].name if self.implicit else UNKNOWN_MODEL
 
     def resolve(self, name: str | None) -> ModelServices | None:
         """The model a request naming `name` is admitted against, None: no such model."""

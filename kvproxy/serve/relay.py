@@ -25,17 +25,14 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.observe.logs import AccessRecord, log_event
-from kvproxy.policy import drain, errors
-from kvproxy.policy.errors import ErrorStyle, KvproxyError, UpstreamFailure
-from kvproxy.response.inspector import ResponseInspector, Step
-from kvproxy.response.sse import SSEError
-from kvproxy.response.tripwire import CanaryHit, CanaryScanner
+from kvproxy.observe import log_event
+from kvproxy.policy import ErrorStyle, KvproxyError, UpstreamFailure, drain, errors
+from kvproxy.response import CanaryHit, CanaryScanner, ResponseInspector, SSEError, Step
+from kvproxy.serve.context import RequestContext
 from kvproxy.serve.headers import filter_headers
 from kvproxy.serve.replies import error_response
 from kvproxy.serve.state import Services
-from kvproxy.upstream.boundary import network_boundary
-from kvproxy.upstream.pool import UpstreamResponse
+from kvproxy.upstream import UpstreamResponse, network_boundary
 
 log = logging.getLogger("kvproxy.relay")
 
@@ -60,7 +57,7 @@ class Exchange:
         services: Services,
         hard_stop: asyncio.Future[None],
         request: web.Request,
-        record: AccessRecord,
+        record: RequestContext,
         *,
         streaming: bool,
         scanner: CanaryScanner | None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvproxy.policy.errors import ErrorStyle, KvproxyError
+from kvproxy.policy import ErrorStyle, KvproxyError
 
 
 def error_response(

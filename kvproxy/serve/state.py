@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from kvproxy.config import Settings
-from kvproxy.observe.metrics import Metrics
+from kvproxy.observe import Metrics
 from kvproxy.serve.watch import DisconnectWatcher, LoopLagMonitor
 
 if TYPE_CHECKING:
-    from kvproxy.policy.tenants import TenantResolver
-    from kvproxy.response.tripwire import CanaryRules
+    from kvproxy.policy import TenantResolver
+    from kvproxy.response import CanaryRules
     from kvproxy.serve.models import ModelTable
-    from kvproxy.upstream.pool import UpstreamPool
+    from kvproxy.upstream import UpstreamPool
 
 
 @dataclass(frozen=True, slots=True)

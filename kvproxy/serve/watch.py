@@ -17,7 +17,7 @@ import time
 
 from aiohttp import web
 
-from kvproxy.observe.metrics import Metrics
+from kvproxy.observe import Metrics
 
 DISCONNECT_TICK_S = 0.05
 LAG_TICK_S = 0.05

@@ -45,7 +45,7 @@ from typing import Any, Literal
 import jinja2
 import jinja2.nodes
 
-from kvproxy.prompt.chat import REFUSED_TEMPLATE_KWARGS as REFUSED_KWARGS
+from kvproxy.prompt import REFUSED_TEMPLATE_KWARGS as REFUSED_KWARGS
 from kvproxy.tokens.sandbox import Sandbox, environment
 
 EngineKind = Literal["sglang", "vllm"]

@@ -40,10 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvproxy.policy import errors
-from kvproxy.policy.counts import CountMethod, TokenCount
-from kvproxy.policy.errors import KvproxyError
-from kvproxy.policy.routes import CHAT_ROUTES
+from kvproxy.policy import CHAT_ROUTES, CountMethod, KvproxyError, TokenCount, errors
 from kvproxy.prompt import PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule

@@ -44,7 +44,7 @@ import jinja2.compiler
 import jinja2.nodes
 import jinja2.sandbox
 
-from kvproxy.policy.errors import KvproxyError, invalid_request
+from kvproxy.policy import KvproxyError, invalid_request
 from kvproxy.prompt import SequencePrompt
 from kvproxy.tokens import chatnorm
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, SPECIAL_TOKEN_KEYS, EngineKind

@@ -22,10 +22,9 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from kvproxy.policy.errors import UpstreamFailure
-from kvproxy.response.payload import body_texts, token_texts
-from kvproxy.response.sse import SSEParser
-from kvproxy.upstream.boundary import network_boundary
+from kvproxy.policy import UpstreamFailure
+from kvproxy.response import SSEParser, body_texts, token_texts
+from kvproxy.upstream import network_boundary
 
 # One GET (models, server info, stats) or one /tokenize call.
 PROBE_TIMEOUT_S = 10.0

@@ -14,8 +14,7 @@ from typing import Literal
 
 import aiohttp
 
-from kvproxy.policy import errors
-from kvproxy.policy.errors import NetworkKind
+from kvproxy.policy import NetworkKind, errors
 from kvproxy.upstream.pool import UpstreamConnectError, UpstreamProtocolError
 
 # What a network leg can raise: aiohttp's errors, the relay client's (kvproxy.upstream.pool), the

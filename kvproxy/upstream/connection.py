@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvproxy.upstream.origin import Origin
+from kvproxy.policy import Origin
 
 if TYPE_CHECKING:
     from kvproxy.upstream.pool import UpstreamPool

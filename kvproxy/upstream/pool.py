@@ -44,12 +44,12 @@ import time
 
 from multidict import CIMultiDict
 
+from kvproxy.policy import Origin, parse_origin
 from kvproxy.upstream.connection import READ_HIGH_WATER as READ_HIGH_WATER
 from kvproxy.upstream.connection import WRITE_PIECE, Connection
 from kvproxy.upstream.connection import UpstreamConnectError as UpstreamConnectError
 from kvproxy.upstream.connection import UpstreamProtocolError as UpstreamProtocolError
 from kvproxy.upstream.connection import UpstreamResponse as UpstreamResponse
-from kvproxy.upstream.origin import Origin, parse_origin
 
 
 class UpstreamPool:

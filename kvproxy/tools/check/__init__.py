@@ -1,1 +1,1 @@
-"""check."""
+"""`kvproxy check`: the release gate, its probes and its release record."""

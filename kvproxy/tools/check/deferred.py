@@ -20,9 +20,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvproxy.policy.drain import DEFERRED_OUTCOMES
-from kvproxy.policy.errors import UpstreamFailure
-from kvproxy.upstream.boundary import network_boundary
+from kvproxy.policy import DEFERRED_OUTCOMES, UpstreamFailure
+from kvproxy.upstream import network_boundary
 
 # Outcomes where kvproxy stopped waiting before the drain was confirmed (see drain.py).
 UNCONFIRMED_OUTCOMES = ("timeout", "shutdown")

@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvproxy.capacity.measurement import EngineMeasurement, ProbeError
+from kvproxy.capacity import EngineMeasurement, ProbeError
 from kvproxy.config import EngineSpec
-from kvproxy.posture.advisories import load_table
-from kvproxy.posture.findings import EngineView, evaluate, gate_verdict, posture_json
+from kvproxy.posture import EngineView, evaluate, gate_verdict, load_table, posture_json
 
 CHECK_NAME = "engine posture"
 

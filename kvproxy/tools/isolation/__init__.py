@@ -1,1 +1,1 @@
-"""isolation."""
+"""`kvproxy canary`: the two-tenant isolation harness, its scenarios and report."""

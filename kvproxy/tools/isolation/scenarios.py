@@ -26,7 +26,7 @@ from typing import Literal
 import aiohttp
 import orjson
 
-from kvproxy.policy.errors import UpstreamFailure
+from kvproxy.policy import UpstreamFailure
 from kvproxy.tools.client import (
     REQUEST_TIMEOUT_S,
     Observed,
@@ -38,7 +38,7 @@ from kvproxy.tools.client import (
     boundary_prompts,
     parse_reply,
 )
-from kvproxy.upstream.boundary import network_boundary
+from kvproxy.upstream import network_boundary
 
 SCENARIOS = ("normal_long", "boundary", "cancel", "transfer_failure")
 MARKER_RE = re.compile(r"KVCANARY-([a-z0-9]+(?:-[a-z0-9]+)*?)-([0-9a-f]{16})")

@@ -1,5 +1,6 @@
-"""Where an upstream URL points, as the relay's client needs it (sans-IO: parsed once at
-configuration, so a bad upstream is a start-up error, not a first request's 502)."""
+"""Where an upstream URL points, as the relay's client needs it: the one place kvproxy
+decides what a configured router URL may be (sans-IO: parsed once at configuration, so a bad
+upstream is a start-up error, not a first request's 502)."""
 
 from __future__ import annotations
 

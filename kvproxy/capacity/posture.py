@@ -15,10 +15,17 @@ import logging
 from collections.abc import Iterable
 from typing import Any, Literal, Protocol
 
-from kvproxy.observe.metrics import Metrics
-from kvproxy.posture.advisories import load_table
-from kvproxy.posture.engine import FAILURE_COUNTERS, EnginePosture
-from kvproxy.posture.findings import EngineView, Finding, evaluate, gauge_series, posture_json
+from kvproxy.observe import Metrics
+from kvproxy.posture import (
+    FAILURE_COUNTERS,
+    EnginePosture,
+    EngineView,
+    Finding,
+    evaluate,
+    gauge_series,
+    load_table,
+    posture_json,
+)
 
 log = logging.getLogger("kvproxy.posture")
 

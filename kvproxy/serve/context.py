@@ -1,0 +1,112 @@
+"""One request's context: what the stages of the handler and the relay know about it.
+
+The handler (kvproxy.serve.handler) builds it at entry, each stage reads and fills it, the
+relay adds what the upstream answered, and the access log line is a view of it at the end
+(`access_fields`): one object per request, not a log record beside the request's state.
+
+Must never: hold or log prompt or completion text (I8). `body` is the request as read (and
+decoded): it is forwarded, never logged; every logged field is a size, a duration, an id, a
+sanitised tenant or a label from a closed set.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvproxy.policy import Admit, ErrorStyle
+from kvproxy.prompt import PromptShape
+
+if TYPE_CHECKING:
+    from kvproxy.budget import BudgetLease
+    from kvproxy.policy import RouteMatch
+    from kvproxy.serve.models import ModelServices
+    from kvproxy.serve.state import ServerState, Services
+
+# Fields of the context that are not part of the access line: the request's objects, and
+# the internal timestamp (the line carries the duration instead).
+_NOT_LOGGED = frozenset(
+    {
+        "request", "services", "state", "match", "style", "body", "headers", "reply_headers",
+        "model_services", "shape", "verdict", "lease", "started",
+    }
+)  # fmt: skip
+
+
+@dataclass(slots=True, eq=False)
+class RequestContext:
+    request: web.Request
+    services: Services
+    state: ServerState
+    match: RouteMatch
+    style: ErrorStyle
+    # --- the access line (see `access_fields`) ------------------------------------------
+    request_id: str
+    method: str
+    path: str
+    route: str
+    started: float
+    status: int = 0
+    decision: str = "passthrough"
+    reason: str | None = None
+    tenant: str | None = None
+    # The configured model the request was admitted against.
+    model: str | None = None
+    prompt_tokens: int | None = None
+    count_method: str | None = None
+    # exact | upper-bound | lower-bound: what prompt_tokens is (X-Kvproxy-Prompt-Tokens-Kind).
+    prompt_tokens_kind: str | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    ttft_s: float | None = None
+    client_disconnect: str | None = None
+    deferred_outcome: str | None = None
+    deferred_s: float | None = None
+    upstream_outcome: str | None = None
+    duration_s: float = 0.0
+    # --- what the stages build --------------------------------------------------------
+    body: bytes = b""
+    # The headers going upstream (filtered, X-Request-ID set, tenant headers stripped).
+    headers: CIMultiDict[str] = field(default_factory=CIMultiDict)
+    # Headers added to whatever kvproxy answers (X-Request-ID, the decision, the count).
+    reply_headers: dict[str, str] = field(default_factory=dict)
+    model_services: ModelServices | None = None
+    shape: PromptShape | None = None
+    verdict: Admit | None = None
+    lease: BudgetLease | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.shape is not None and self.shape.stream
+
+    @property
+    def upstream_url(self) -> str:
+        if self.model_services is not None:
+            return self.model_services.upstream
+        return self.services.settings.upstream
+
+    def release_lease(self) -> None:
+        """I6: the budget comes back once, when the upstream connection is closed."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def finish(self) -> None:
+        self.duration_s = round(time.monotonic() - self.started, 6)
+        if self.ttft_s is not None:
+            self.ttft_s = round(self.ttft_s, 6)
+        if self.deferred_s is not None:
+            self.deferred_s = round(self.deferred_s, 6)
+
+    def access_fields(self) -> dict[str, Any]:
+        """The access line: every logged field that has a value."""
+        return {name: value for name in _LOGGED if (value := getattr(self, name)) is not None}
+
+
+_LOGGED: tuple[str, ...] = tuple(
+    name for name in RequestContext.__dataclass_fields__ if name not in _NOT_LOGGED
+)
