@@ -125,7 +125,7 @@ def _one_choice_chunk(obj: dict[str, Any]) -> Reading | None:
     """The walk's reading of what nearly every chat response is made of: one choice whose
     only container is a flat object (a streamed `delta`, a body's `message`), and no other
     container at the top level than flat objects (`usage`). The same paths, texts, keys and
-    output as `_read_value`, in the same order (tests/test_output.py holds them equal on
+    output as `_read_value`, in the same order (tests/response/test_payload.py holds them equal on
     generated objects), at about half the cost; None for any other shape, which
     `_read_value` then reads."""
     choices = obj.get("choices")

@@ -11,15 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvproxy.capacity import (
-    EngineMeasurement,
-    derive_limits,
-    held_context,
-    limits_for,
-    sglang_limits,
-    static_limits,
-    vllm_limits,
-)
+from kvproxy.capacity import EngineMeasurement, held_context, limits_for
+from kvproxy.capacity.limits import derive_limits, sglang_limits, static_limits, vllm_limits
 from kvproxy.config import Settings
 
 

@@ -13,14 +13,11 @@ from typing import Any
 import pytest
 from capacity_fakes import load_json, load_text
 
-from kvproxy.capacity import (
-    EngineMeasurement,
-    ProbeError,
-    measure_sglang,
-    measure_static,
-    measure_vllm,
-)
+from kvproxy.capacity import EngineMeasurement, ProbeError
+from kvproxy.capacity.probes import measure_static
 from kvproxy.capacity.reports import parse_prometheus
+from kvproxy.capacity.sglang import measure_sglang
+from kvproxy.capacity.vllm import measure_vllm
 from kvproxy.config import EngineSpec
 
 PREFILL = EngineSpec(url="http://10.0.0.1:30001", role="prefill", kind="sglang")

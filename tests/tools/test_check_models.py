@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 from kvtest import running_proxy
-from test_gate import validate
+from test_check_gate import validate
 
 from kvproxy.sim.launcher import SimCluster, SimOptions
 from kvproxy.tools.check.record import MODELS_SCHEMA

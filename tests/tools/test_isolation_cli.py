@@ -1,6 +1,6 @@
 """`kvproxy canary`'s command line (kvproxy.tools.isolation.cli): what the flags become, and the
 refusals that name the flag. In-process, so coverage sees it (the end-to-end runs start
-`kvproxy canary` as a subprocess: tests/test_isolation.py)."""
+`kvproxy canary` as a subprocess: tests/tools/test_isolation.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The response inspector without sockets (kvproxy/response/inspector.py): bytes in; what may be
 forwarded, output seen, hits, withhold/refuse and `usage` out. The relay through a real
-app is tests/test_relay.py."""
+app is tests/serve/test_relay.py."""
 
 from __future__ import annotations
 
