@@ -14,9 +14,9 @@ SITE = "/work/main/.venv/lib/python3.11/site-packages"
 COLLAPSED = "\n".join(
     [
         # 6 samples in the handler's render, 3 in aiohttp's writer, 1 in the idle loop.
-        "_run_module_as_main (<frozen runpy>:198);handle (/w/kvproxy/proxy.py:10);"
+        "_run_module_as_main (<frozen runpy>:198);handle (/w/kvproxy/serve/handler.py:10);"
         "render (/w/kvproxy/tokens/templates.py:20);root (<template>:3) 6",
-        f"_run_module_as_main (<frozen runpy>:198);handle (/w/kvproxy/proxy.py:12);"
+        f"_run_module_as_main (<frozen runpy>:198);handle (/w/kvproxy/serve/handler.py:12);"
         f"_writelines ({SITE}/aiohttp/http_writer.py:80) 3",
         "run (/usr/lib/python3.11/asyncio/runners.py:118) 1",
         "garbage line",
