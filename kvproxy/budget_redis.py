@@ -28,14 +28,14 @@ anything again; requests of the old epoch that arrive later are refused. The lea
 other replicas, cut off too, lapse but stay counted until they come back and renew. So
 nothing leaks or counts twice, under either policy.
 
-Under `local_share` the shares add up to the budget across the switch both ways, provided
-each replica held no more than its share when Redis went away (a replica above its share
-admits nothing until it is below): what a replica holds under Redis leases counts against
-its share during the outage; when Redis returns its local-share leases still held are
-registered there, and for a recovery window it keeps its share as a cap, since the others
-may still hold local-share leases Redis cannot see yet. The cap is checked and charged with
-no await between (a reservation covers the Redis call), so waiters woken together cannot
-all pass it.
+Under `local_share` the replicas stay within the budget across the switch both ways: each
+one's cap is its share, no more than what it holds plus an even part of the room that was
+free when Redis last answered (so a replica that held more than its share leaves the others
+only what was left); what it holds under Redis leases counts against the cap; when Redis
+returns its local-share leases still held are registered there, and for a recovery window
+it keeps the cap, since the others may still hold local-share leases Redis cannot see yet.
+The cap is checked and charged with no await between (a reservation covers the Redis call),
+so waiters woken together cannot all pass it.
 
 The interface is the local `InflightBudget`'s: `acquire`, `reject_waiting`, the in-use
 properties; plus `start`/`aclose` for the connection and the renewal task.
@@ -141,6 +141,10 @@ class RedisBudget:
         # The policy's local share: an unlimited dimension stays unlimited.
         self.share_tokens = None if max_tokens is None else max(1, max_tokens // share)
         self.share_requests = None if max_requests is None else max(1, max_requests // share)
+        # What this replica may hold while Redis is unavailable and in the recovery window
+        # after it (`_outage_caps`): its share, less if the others held more than theirs.
+        self.cap_tokens = self.share_tokens
+        self.cap_requests = self.share_requests
         self._retry_after_s = retry_after_s(queue_timeout_s)
         metrics.budget_tokens_limit.labels(model).set(max_tokens or 0)
         metrics.budget_degraded.set(0)
@@ -243,6 +247,7 @@ class RedisBudget:
             "cluster_requests_in_use": self.cluster_requests,
             "replica_tokens_in_use": self.tokens_in_use,
             "local_share_tokens": self.share_tokens,
+            "outage_cap_tokens": self.cap_tokens,
             "lease_ttl_s": o.lease_ttl_s,
             "recovery_window_s": self._window_s,
             "unconfirmed_releases": len(self._unreleased),
@@ -390,8 +395,9 @@ class RedisBudget:
             # shares must add up to the budget, outage or not.
             raise errors.over_budget(
                 self._retry_after_s,
-                f"Redis is unavailable; this replica's share ({self._describe_share()}) is in "
-                f"use ({self.tokens_in_use:,} tokens, {self.requests_in_use} requests held)",
+                f"Redis is unavailable; this replica's part of the budget "
+                f"({self._describe_share()}) is in use ({self.tokens_in_use:,} tokens, "
+                f"{self.requests_in_use} requests held)",
             )
         self._fb_tokens += tokens
         self._fb_requests += 1
@@ -401,15 +407,31 @@ class RedisBudget:
         return lease
 
     def _over_local_share(self, tokens: int) -> bool:
-        """Would `tokens` more (and one request) take this replica past its local share?
+        """Would `tokens` more (and one request) take this replica past its outage cap?
         Counts every lease it holds and every acquisition on its way to Redis."""
-        if self.share_tokens is not None and (
-            self.tokens_in_use + self._pending_tokens + tokens > self.share_tokens
+        if self.cap_tokens is not None and (
+            self.tokens_in_use + self._pending_tokens + tokens > self.cap_tokens
         ):
             return True
-        return self.share_requests is not None and (
-            self.requests_in_use + self._pending_requests + 1 > self.share_requests
+        return self.cap_requests is not None and (
+            self.requests_in_use + self._pending_requests + 1 > self.cap_requests
         )
+
+    def _outage_caps(self) -> None:
+        """Fix this replica's cap for the outage that starts now: its share, but no more than
+        what it holds plus an even part of the room that was free when Redis last answered.
+        Each replica's share alone adds up to the budget only if nobody held more than its
+        share at the switch; a replica that did keeps its work (it admits nothing more until
+        it is under its cap), and the even parts of the free room leave the others no more
+        than what is left. Sound up to what the cluster admitted between the last answer and
+        the switch (a busy replica asks often, an idle one every third of the lease TTL)."""
+        n = max(1, self.options.expected_replicas)
+        if self.share_tokens is not None and self.max_tokens is not None:
+            free = max(0, self.max_tokens - self.cluster_tokens)
+            self.cap_tokens = min(self.share_tokens, self._tokens + free // n)
+        if self.share_requests is not None and self.max_requests is not None:
+            free = max(0, self.max_requests - self.cluster_requests)
+            self.cap_requests = min(self.share_requests, self._requests + free // n)
 
     def _over_share(self, tokens: int) -> bool:
         """Right after an outage (local_share): would `tokens` more take this replica past
@@ -579,6 +601,7 @@ class RedisBudget:
         self._state = "degraded"
         if not was_ok:
             return
+        self._outage_caps()
         self._metrics.budget_degraded.set(1)
         self._metrics.budget_fallbacks.labels(self.options.unavailable).inc()
         log.warning(
@@ -606,10 +629,10 @@ class RedisBudget:
 
     def _describe_share(self) -> str:
         parts = []
-        if self.share_tokens is not None:
-            parts.append(f"{self.share_tokens:,} tokens")
-        if self.share_requests is not None:
-            parts.append(f"{self.share_requests} requests")
+        if self.cap_tokens is not None:
+            parts.append(f"{self.cap_tokens:,} tokens")
+        if self.cap_requests is not None:
+            parts.append(f"{self.cap_requests} requests")
         return ", ".join(parts) or "unlimited"
 
     def _describe_use(self) -> str:

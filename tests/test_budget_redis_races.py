@@ -230,3 +230,37 @@ async def test_a_cancelled_acquisition_takes_nothing_for_nobody(tmp_path: Path) 
         assert await relay.deliver_stale() >= 1
         await until(lambda: not r.degraded and r.describe_json()["unconfirmed_releases"] == 0)
         assert await usage(server) == (0, 0)
+
+
+async def test_local_share_leaves_the_others_only_what_was_free(tmp_path: Path) -> None:
+    """local_share with three replicas (share 100 // 3 = 33): A holds 80 when Redis becomes
+    unreachable. B and C must not each take a full share (80 + 33 + 33 > 100): each may
+    take an even part of the 20 that were free, 20 // 3 = 6, beside what it held."""
+    async with (
+        redis_server(tmp_path) as server,
+        relayed(server) as relay_a,
+        relayed(server) as relay_b,
+        relayed(server) as relay_c,
+        budget(relay_a.url, timeout_s=0.5, expected_replicas=3) as a,
+        budget(relay_b.url, timeout_s=0.5, expected_replicas=3) as b,
+        budget(relay_c.url, timeout_s=0.5, expected_replicas=3) as c,
+    ):
+        held = await a.acquire(80)
+        for r in (b, c):  # each has seen the cluster's use since A's lease
+            (await r.acquire(1)).release()
+            await until(lambda r=r: r.describe_json()["unconfirmed_releases"] == 0)
+        for relay in (relay_a, relay_b, relay_c):
+            relay.block()
+        await until(lambda: a.degraded and b.degraded and c.degraded)
+        granted = 0
+        for r in (b, c):
+            with pytest.raises(KvproxyError) as err:
+                await r.acquire(7)
+            assert err.value.status == 429
+            lease = await r.acquire(6)
+            granted += lease.tokens
+        assert held.tokens + granted <= 100
+        with pytest.raises(KvproxyError):
+            await a.acquire(1)  # A is above its share: nothing more until it is under
+        for relay in (relay_a, relay_b, relay_c):
+            relay.unblock()
