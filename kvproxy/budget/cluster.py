@@ -7,23 +7,35 @@ by one atomic script (`budget_scripts.ACQUIRE`: live leases + request <= budget)
 back when the upstream is really closed, deferred drains included (I6).
 
 Leases expire: the holding replica renews its live leases every third of the TTL, so a
-replica that dies (SIGKILL, node loss) loses its leases after the TTL and the budget heals
-without an operator. Release is idempotent. Waiters queue in Redis in strict FIFO order
-across replicas (the head that does not fit blocks those behind it, as the local budget
-does), are woken by a pub/sub message on every release, and otherwise re-ask at a slow
-pace (a dead replica's expiry publishes nothing).
+replica that dies (SIGKILL, node loss) loses its leases after the TTL and a grace period
+(`budget_scripts`: a lease lapses, then is dropped), and the budget heals without an
+operator. Release is idempotent. Waiters queue in Redis in strict FIFO order across
+replicas (the head that does not fit blocks those behind it, as the local budget does), are
+woken by a pub/sub message on every release, and otherwise re-ask at a slow pace (a dead
+replica's expiry publishes nothing).
 
-When Redis is unavailable or slow (refused, timeouts, failover, READONLY) the configured
-policy applies, logged once on the switch and once on the return, counted and shown in
-`/capacity`:
-    local_share  this replica enforces budget / expected replicas on its own;
+When Redis is unavailable or slow (refused, blackholed, timeouts, failover, READONLY) the
+configured policy applies, logged once on the switch and once on the return, counted and
+shown in `/capacity`:
+    local_share  this replica enforces budget / expected replicas on its own (granted at
+                 once or refused with 429: the share has no queue);
     reject       new requests get 503 `budget_unavailable` with Retry-After.
-Requests already holding Redis leases keep them; their releases are kept and replayed when
-Redis returns, and live leases that Redis lost are put back, so nothing leaks or counts twice.
-Under `local_share` the shares add up to the budget across the switch both ways: what a
-replica holds under Redis leases counts against its share during the outage; when Redis
-returns, its local-share leases still held are registered there, and for a few seconds it
-keeps its share as a cap, while the other replicas notice the return and register theirs.
+Requests already holding Redis leases keep them. A call whose reply was lost may still reach
+Redis after the outage (a TCP retransmission), so the return is one fenced script
+(`budget_scripts.RENEW` under a new epoch): it gives back what was released or abandoned
+meanwhile, then renews (or puts back) every lease still held, before this replica admits
+anything again; requests of the old epoch that arrive later are refused. The leases of the
+other replicas, cut off too, lapse but stay counted until they come back and renew. So
+nothing leaks or counts twice, under either policy.
+
+Under `local_share` the replicas stay within the budget across the switch both ways: each
+one's cap is its share, no more than what it holds plus an even part of the room that was
+free when Redis last answered (so a replica that held more than its share leaves the others
+only what was left); what it holds under Redis leases counts against the cap; when Redis
+returns its local-share leases still held are registered there, and for a recovery window
+it keeps the cap, since the others may still hold local-share leases Redis cannot see yet.
+The cap is checked and charged with no await between (a reservation covers the Redis call),
+so waiters woken together cannot all pass it.
 
 The interface is the local `InflightBudget`'s: `acquire`, `reject_waiting`, the in-use
 properties; plus `start`/`aclose` for the connection and the renewal task.
@@ -37,14 +49,15 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from kvproxy.budget.connection import REDIS_DOWN, RedisDown, RedisOptions, make_client
 from kvproxy.budget.leases import FallbackLease, RedisLease
-from kvproxy.budget.local import InflightBudget, retry_after_s
-from kvproxy.budget.scripts import ACQUIRE, LEAVE_QUEUE, RELEASE, RENEW, BudgetKeys
+from kvproxy.budget.local import retry_after_s
+from kvproxy.budget.scripts import ACQUIRE, EPOCH_TTL_MS, RELEASE, RENEW, BudgetKeys
 from kvproxy.config import IMPLICIT_MODEL
 from kvproxy.observe import Metrics
 from kvproxy.policy import errors
@@ -57,10 +70,21 @@ WAITER_TTL_MS = 3000
 RETRY_EVERY_S = 0.5
 # While degraded, how often Redis is probed for its return.
 PROBE_EVERY_S = 1.0
-# After Redis returns, a local_share replica keeps its share as a cap for this long: other
-# replicas may still be degraded, holding local-share leases Redis cannot see yet (they
-# register them when they notice Redis is back, within a probe interval or two).
-RECOVERY_GRACE_S = 3 * PROBE_EVERY_S
+
+State = Literal["ok", "degraded", "recovering"]
+
+
+def recovery_window_s(timeout_s: float) -> float:
+    """How long after Redis is reachable again every replica has noticed and re-registered
+    what it holds: a probe lost in the blackhole (timeout), the pause between probes, the
+    probe that succeeds and the fenced renewal (a timeout each), plus one probe interval of
+    slack for a loaded event loop. Both the lapse grace of leases in Redis and the local
+    share's cap after a return are this long."""
+    return 2 * PROBE_EVERY_S + 3 * timeout_s
+
+
+class _Fenced(RedisError):
+    """Redis holds a newer epoch than the call carried: its reply says nothing."""
 
 
 class RedisBudget:
@@ -85,37 +109,43 @@ class RedisBudget:
         self._metrics = metrics
         self._model = model  # the gauges' `model` label: one budget per model's pool
         self._keys = BudgetKeys.for_pool(options.key_prefix, options.pool)
+        self._epoch_key = self._keys.epoch(options.replica_id)
         self._client = client if client is not None else make_client(options)
-        self._acquire = self._client.register_script(ACQUIRE)
-        self._leave = self._client.register_script(LEAVE_QUEUE)
+        self._acquire_script = self._client.register_script(ACQUIRE)
         self._release_script = self._client.register_script(RELEASE)
-        self._renew = self._client.register_script(RENEW)
+        self._renew_script = self._client.register_script(RENEW)
         self._ids = itertools.count(1)
+        self._epoch = 1  # this replica's era of calls (budget_scripts: fencing)
         self._live: dict[str, int] = {}  # lease id -> tokens, for renewal
-        self._unreleased: set[str] = set()  # releases Redis has not confirmed yet
+        self._unreleased: set[str] = set()  # to give back; Redis has not confirmed yet
+        self._calls: dict[str, asyncio.Future[Any]] = {}  # acquisitions still on their way
         self._fallback_held: set[FallbackLease] = set()
         self._share_until = 0.0  # monotonic time the post-outage share cap ends
-        self._tokens = 0
+        self._window_s = recovery_window_s(options.timeout_s)
+        self._tokens = 0  # held under Redis leases
         self._requests = 0
+        self._fb_tokens = 0  # held under local-share leases
+        self._fb_requests = 0
+        self._pending_tokens = 0  # reserved by acquisitions whose Redis call is on its way
+        self._pending_requests = 0
         self._waiters = 0
         self._wake = asyncio.Event()
         self._closing: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
-        self.degraded = False
+        self._state: State = "ok"
         self.last_error: str | None = None
         self.cluster_tokens = 0
         self.cluster_requests = 0
         share = max(1, options.expected_replicas)
         # The policy's local share: an unlimited dimension stays unlimited.
-        self._fallback = InflightBudget(
-            max_tokens=None if max_tokens is None else max(1, max_tokens // share),
-            max_requests=None if max_requests is None else max(1, max_requests // share),
-            queue_timeout_s=queue_timeout_s,
-            queue_max_waiters=queue_max_waiters,
-            metrics=Metrics(),  # its own, unexported: this budget publishes the totals
-        )
+        self.share_tokens = None if max_tokens is None else max(1, max_tokens // share)
+        self.share_requests = None if max_requests is None else max(1, max_requests // share)
+        # What this replica may hold while Redis is unavailable and in the recovery window
+        # after it (`_outage_caps`): its share, less if the others held more than theirs.
+        self.cap_tokens = self.share_tokens
+        self.cap_requests = self.share_requests
         self._retry_after_s = retry_after_s(queue_timeout_s)
         metrics.budget_tokens_limit.labels(model).set(max_tokens or 0)
         metrics.budget_degraded.set(0)
@@ -124,17 +154,22 @@ class RedisBudget:
     # --- the interface the proxy uses -----------------------------------------------------
 
     @property
+    def degraded(self) -> bool:
+        """Redis is not (yet) the budget's authority: the policy applies."""
+        return self._state != "ok"
+
+    @property
     def tokens_in_use(self) -> int:
         """Prompt tokens this replica holds (Redis leases and local-share leases)."""
-        return self._tokens + self._fallback.tokens_in_use
+        return self._tokens + self._fb_tokens
 
     @property
     def requests_in_use(self) -> int:
-        return self._requests + self._fallback.requests_in_use
+        return self._requests + self._fb_requests
 
     @property
     def queue_depth(self) -> int:
-        return self._waiters + self._fallback.queue_depth
+        return self._waiters
 
     @property
     def limited(self) -> bool:
@@ -161,10 +196,10 @@ class RedisBudget:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         # Best effort, degraded or not: a release Redis confirms now is one fewer lease to
-        # wait out. What fails here expires after the TTL.
-        for lease_id in list(self._unreleased):
+        # wait out. What fails here lapses after the TTL.
+        if self._unreleased:
             with contextlib.suppress(*REDIS_DOWN):
-                await self._remote_release(lease_id)
+                await self._release_ids(list(self._unreleased))
         with contextlib.suppress(*REDIS_DOWN):
             await self._client.aclose()
 
@@ -177,8 +212,55 @@ class RedisBudget:
                 f"the prompt's {tokens:,} tokens can never fit the cluster in-flight budget "
                 f"of {self.max_tokens:,} tokens (KVPROXY_MAX_INFLIGHT_PROMPT_TOKENS)",
             )
-        if self.degraded:
-            return await self._degraded_acquire(tokens)
+        started = time.monotonic()
+        deadline = started + self.queue_timeout_s
+        # Bounded: every turn either returns, raises, or waits out part of the deadline
+        # (the recovery wait and the Redis queue both end at it).
+        while True:
+            if self._state == "recovering":
+                await self._await_recovery(deadline)
+            elif self._state == "degraded":
+                return self._degraded_acquire(tokens)
+            else:
+                lease = await self._redis_acquire(tokens, started, deadline)
+                if lease is not None:
+                    return lease
+
+    def reject_waiting(self, detail: str = "the server is shutting down") -> int:
+        n = self._waiters
+        self._closing = detail
+        self._wake_all()
+        return n
+
+    def describe_json(self) -> dict[str, Any]:
+        """For `/capacity`: never the URL or the password, only what an operator acts on."""
+        o = self.options
+        return {
+            "backend": "redis",
+            "pool": o.pool,
+            "replica": o.replica_id,
+            "state": "ok" if self._state == "ok" else "degraded",
+            "unavailable_policy": o.unavailable,
+            "last_error": self.last_error,
+            "max_tokens": self.max_tokens,
+            "max_requests": self.max_requests,
+            "cluster_tokens_in_use": self.cluster_tokens,
+            "cluster_requests_in_use": self.cluster_requests,
+            "replica_tokens_in_use": self.tokens_in_use,
+            "local_share_tokens": self.share_tokens,
+            "outage_cap_tokens": self.cap_tokens,
+            "lease_ttl_s": o.lease_ttl_s,
+            "recovery_window_s": self._window_s,
+            "unconfirmed_releases": len(self._unreleased),
+        }
+
+    # --- acquiring --------------------------------------------------------------------------
+
+    async def _redis_acquire(
+        self, tokens: int, started: float, deadline: float
+    ) -> RedisLease | None:
+        """A lease from Redis, or None when Redis became unavailable meanwhile (the caller
+        follows the state from there)."""
         if self._waiters >= self.queue_max_waiters and self.queue_timeout_s > 0:
             raise errors.over_budget(
                 self._retry_after_s,
@@ -186,13 +268,15 @@ class RedisBudget:
                 f"({self._waiters} of {self.queue_max_waiters} waiting)",
             )
         lease_id = f"{self.options.replica_id}:{next(self._ids)}"
-        started = time.monotonic()
-        deadline = started + self.queue_timeout_s
         self._waiters += 1
         try:
             while True:
+                if self._state != "ok":
+                    self._abandon(lease_id)
+                    return None
                 wake = self._wake
                 if not self._over_share(tokens) and await self._try(lease_id, tokens):
+                    # No await since the call returned: the reservation becomes the charge.
                     waited = time.monotonic() - started
                     self._metrics.queue_wait.observe(waited)
                     self._live[lease_id] = tokens
@@ -213,49 +297,198 @@ class RedisBudget:
                         await wake.wait()
         except RedisDown as down:
             self._enter_degraded(down.cause)
-            self._background(self._forget(lease_id))
-            return await self._degraded_acquire(tokens)
+            self._abandon(lease_id)
+            return None
         except BaseException:
-            # Timed out, refused, or cancelled (perhaps mid-call, after Redis granted): leave
-            # the queue and give back whatever Redis may have granted. Both are idempotent.
+            # Timed out, refused, or cancelled: leave the queue and give back whatever Redis
+            # may have granted (an acquisition still on its way is given back when its reply
+            # is in: `_try`). Both are idempotent.
             if lease_id not in self._live:
-                self._background(self._forget(lease_id))
+                self._abandon(lease_id)
             raise
         finally:
             self._waiters -= 1
 
-    def reject_waiting(self, detail: str = "the server is shutting down") -> int:
-        n = self._waiters + self._fallback.reject_waiting(detail)
-        self._closing = detail
-        self._wake_all()
-        return n
+    async def _try(self, lease_id: str, tokens: int) -> bool:
+        """One ACQUIRE, with `tokens` reserved locally while it is on its way, so the share
+        cap counts it before the reply is in. Cancelled mid-call, the call still completes
+        (shielded, bounded by the Redis timeout) and what it granted is given back after its
+        reply: a release sent now could reach Redis before the acquisition."""
+        self._pending_tokens += tokens
+        self._pending_requests += 1
+        call = asyncio.ensure_future(
+            self._call(
+                lambda: self._acquire_script(
+                    keys=[*self._keys.script_keys, self._epoch_key],
+                    args=[
+                        lease_id,
+                        tokens,
+                        -1 if self.max_tokens is None else self.max_tokens,
+                        -1 if self.max_requests is None else self.max_requests,
+                        int(self.options.lease_ttl_s * 1000),
+                        WAITER_TTL_MS,
+                        int(self._window_s * 1000),
+                        self._epoch,
+                    ],
+                )
+            )
+        )
+        self._calls[lease_id] = call
+        cancelled = False
+        try:
+            granted, used_t, used_r, dropped = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            cancelled = True
+            self._background(self._abandon_after(call, lease_id))
+            raise
+        except REDIS_DOWN as exc:
+            raise RedisDown(exc) from exc
+        finally:
+            self._pending_tokens -= tokens
+            self._pending_requests -= 1
+            if not cancelled:
+                self._calls.pop(lease_id, None)
+        if int(granted) < 0:
+            # Fenced: a newer epoch is recorded, so this call is from before a return that
+            # has happened meanwhile. Nothing was changed; ask again in the current epoch.
+            return False
+        self._seen(int(used_t), int(used_r), int(dropped))
+        return int(granted) == 1
 
-    def describe_json(self) -> dict[str, Any]:
-        """For `/capacity`: never the URL or the password, only what an operator acts on."""
-        o = self.options
-        return {
-            "backend": "redis",
-            "pool": o.pool,
-            "replica": o.replica_id,
-            "state": "degraded" if self.degraded else "ok",
-            "unavailable_policy": o.unavailable,
-            "last_error": self.last_error,
-            "max_tokens": self.max_tokens,
-            "max_requests": self.max_requests,
-            "cluster_tokens_in_use": self.cluster_tokens,
-            "cluster_requests_in_use": self.cluster_requests,
-            "replica_tokens_in_use": self.tokens_in_use,
-            "local_share_tokens": self._fallback.max_tokens,
-            "lease_ttl_s": o.lease_ttl_s,
-            "unconfirmed_releases": len(self._unreleased),
-        }
+    async def _abandon_after(self, call: asyncio.Future[Any], lease_id: str) -> None:
+        # The call is bounded by the Redis timeout; cancelled, it is the budget closing.
+        with contextlib.suppress(asyncio.CancelledError):
+            try:
+                await call
+            except REDIS_DOWN as exc:
+                # Its reply is lost: the script may still run later. A new epoch fences it.
+                self._enter_degraded(exc)
+        self._calls.pop(lease_id, None)
+        self._abandon(lease_id)
+
+    async def _await_recovery(self, deadline: float) -> None:
+        """Wait (bounded by the deadline) while Redis's return is being registered: nothing is
+        admitted on either side of the switch until it is."""
+        self._waiters += 1
+        try:
+            if self._closing is not None:
+                raise errors.over_budget(self._retry_after_s, self._closing)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.over_budget(
+                    self._retry_after_s,
+                    "Redis has just come back and this replica is registering what it holds; "
+                    f"not done within the queue timeout of {self.queue_timeout_s:g} s",
+                )
+            wake = self._wake
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, RETRY_EVERY_S)):
+                    await wake.wait()
+        finally:
+            self._waiters -= 1
+
+    def _degraded_acquire(self, tokens: int) -> FallbackLease:
+        """The policy while Redis is unavailable; synchronous, so checked and charged at once."""
+        if self.options.unavailable == "reject":
+            raise errors.budget_unavailable(self._retry_after_s)
+        if self._over_local_share(tokens):
+            # What this replica still holds under Redis leases counts against its share: the
+            # shares must add up to the budget, outage or not.
+            raise errors.over_budget(
+                self._retry_after_s,
+                f"Redis is unavailable; this replica's part of the budget "
+                f"({self._describe_share()}) is in use ({self.tokens_in_use:,} tokens, "
+                f"{self.requests_in_use} requests held)",
+            )
+        self._fb_tokens += tokens
+        self._fb_requests += 1
+        self._metrics.queue_wait.observe(0.0)
+        lease = FallbackLease(self, tokens)
+        self._fallback_held.add(lease)
+        return lease
+
+    def _over_local_share(self, tokens: int) -> bool:
+        """Would `tokens` more (and one request) take this replica past its outage cap?
+        Counts every lease it holds and every acquisition on its way to Redis."""
+        if self.cap_tokens is not None and (
+            self.tokens_in_use + self._pending_tokens + tokens > self.cap_tokens
+        ):
+            return True
+        return self.cap_requests is not None and (
+            self.requests_in_use + self._pending_requests + 1 > self.cap_requests
+        )
+
+    def _outage_caps(self) -> None:
+        """Fix this replica's cap for the outage that starts now: its share, but no more than
+        what it holds plus an even part of the room that was free when Redis last answered.
+        Each replica's share alone adds up to the budget only if nobody held more than its
+        share at the switch; a replica that did keeps its work (it admits nothing more until
+        it is under its cap), and the even parts of the free room leave the others no more
+        than what is left. Sound up to what the cluster admitted between the last answer and
+        the switch (a busy replica asks often, an idle one every third of the lease TTL)."""
+        n = max(1, self.options.expected_replicas)
+        if self.share_tokens is not None and self.max_tokens is not None:
+            free = max(0, self.max_tokens - self.cluster_tokens)
+            self.cap_tokens = min(self.share_tokens, self._tokens + free // n)
+        if self.share_requests is not None and self.max_requests is not None:
+            free = max(0, self.max_requests - self.cluster_requests)
+            self.cap_requests = min(self.share_requests, self._requests + free // n)
+
+    def _over_share(self, tokens: int) -> bool:
+        """Right after an outage (local_share): would `tokens` more take this replica past
+        its share?"""
+        if time.monotonic() >= self._share_until:
+            return False
+        return self._over_local_share(tokens)
+
+    # --- giving back ----------------------------------------------------------------------
+
+    def _release(self, lease: RedisLease) -> None:
+        self._live.pop(lease.id, None)
+        self._tokens -= lease.tokens
+        self._requests -= 1
+        self._abandon(lease.id)
+        self._wake_all()  # our own waiters need no round trip through pub/sub
+
+    def _fallback_released(self, lease: FallbackLease) -> None:
+        self._fallback_held.discard(lease)
+        self._fb_tokens -= lease.tokens
+        self._fb_requests -= 1
+        if lease.redis_id is not None:
+            self._live.pop(lease.redis_id, None)
+            self._abandon(lease.redis_id)
+        self._wake_all()
+
+    def _abandon(self, lease_id: str) -> None:
+        """Give back `lease_id` in Redis (out of the queue, out of the budget): now if Redis
+        is the authority, else with the fenced return. An acquisition still on its way is
+        given back once its reply is in (`_abandon_after`)."""
+        if lease_id in self._calls:
+            return
+        self._unreleased.add(lease_id)
+        if self._state == "ok":
+            self._background(self._release_quietly([lease_id]))
+
+    async def _release_quietly(self, ids: list[str]) -> None:
+        try:
+            await self._release_ids(ids)
+        except REDIS_DOWN as exc:
+            # Kept in _unreleased and given back by the fenced return; until then the lease
+            # stays counted in Redis (it is no longer renewed, so it lapses at worst).
+            self._enter_degraded(exc)
+
+    async def _release_ids(self, ids: list[str]) -> None:
+        keys = [*self._keys.script_keys, self._keys.channel]
+        await self._call(lambda: self._release_script(keys=keys, args=ids))
+        self._unreleased.difference_update(ids)
 
     # --- Redis calls ------------------------------------------------------------------------
 
     async def _call(self, make: Callable[[], Awaitable[Any]]) -> Any:
         """One Redis call under the deadline. A connection Redis closed (a restart, a
         failover) fails the first call made on it: that call is made once more on a fresh
-        connection, which is safe because every script is idempotent per lease id."""
+        connection, which is safe because every script is idempotent per lease id and a
+        closed connection delivers nothing later."""
         started = time.perf_counter()
         async with asyncio.timeout(self.options.timeout_s):
             try:
@@ -265,110 +498,83 @@ class RedisBudget:
         self._metrics.budget_redis_rtt.observe(time.perf_counter() - started)
         return result
 
-    def _script_args(self, *argv: Any) -> dict[str, Any]:
-        return {"keys": self._keys.script_keys, "args": list(argv)}
-
-    async def _try(self, lease_id: str, tokens: int) -> bool:
-        try:
-            granted, used_t, used_r, expired = await self._call(
-                lambda: self._acquire(
-                    **self._script_args(
-                        lease_id,
-                        tokens,
-                        -1 if self.max_tokens is None else self.max_tokens,
-                        -1 if self.max_requests is None else self.max_requests,
-                        int(self.options.lease_ttl_s * 1000),
-                        WAITER_TTL_MS,
-                    )
-                )
-            )
-        except REDIS_DOWN as exc:
-            raise RedisDown(exc) from exc
-        self._seen(int(used_t), int(used_r), int(expired))
-        return bool(granted)
-
-    async def _forget(self, lease_id: str) -> None:
-        with contextlib.suppress(*REDIS_DOWN):
-            await self._call(lambda: self._leave(**self._script_args(lease_id)))
-            await self._remote_release(lease_id)
-
-    async def _remote_release(self, lease_id: str) -> None:
-        keys = [*self._keys.script_keys, self._keys.channel]
-        await self._call(lambda: self._release_script(keys=keys, args=[lease_id]))
-        self._unreleased.discard(lease_id)
-
-    def _release(self, lease: RedisLease) -> None:
-        self._live.pop(lease.id, None)
-        self._tokens -= lease.tokens
-        self._requests -= 1
-        self._unreleased.add(lease.id)
-        self._wake_all()  # our own waiters need no round trip through pub/sub
-        if not self.degraded:
-            self._background(self._release_quietly(lease.id))
-
-    async def _release_quietly(self, lease_id: str) -> None:
-        try:
-            await self._remote_release(lease_id)
-        except REDIS_DOWN as exc:
-            # Kept in _unreleased and replayed when Redis returns; until then the lease
-            # stays counted in Redis (it is no longer renewed, so it expires at worst).
-            self._enter_degraded(exc)
+    async def _renew(self) -> None:
+        """Renewal, and the return from an outage: one fenced script under the current epoch
+        gives back what was released or abandoned, then renews or puts back the live
+        leases (budget_scripts.RENEW)."""
+        forget = list(self._unreleased)
+        args: list[Any] = [
+            int(self.options.lease_ttl_s * 1000),
+            int(self._window_s * 1000),
+            self._epoch,
+            EPOCH_TTL_MS,
+            len(forget),
+            *forget,
+        ]
+        for lease_id, tokens in list(self._live.items()):
+            args += [lease_id, tokens]
+        keys = [*self._keys.script_keys, self._epoch_key, self._keys.channel]
+        renewed, used_t, used_r, dropped, put_back, reclaimed = await self._call(
+            lambda: self._renew_script(keys=keys, args=args)
+        )
+        if int(renewed) < 0:
+            raise _Fenced("a newer epoch of this replica is recorded")
+        self._unreleased.difference_update(forget)
+        self._metrics.budget_lease_renewals.inc(int(renewed))
+        self._seen(int(used_t), int(used_r), int(dropped))
+        lost = int(reclaimed)
+        for raw in put_back:
+            lease_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if lease_id in self._live:
+                lost += 1
+            else:
+                # Released on another connection while the renewal was on its way: Redis had
+                # already dropped it and the renewal put it back. Give it back again.
+                self._abandon(lease_id)
+        if lost:
+            self._metrics.budget_leases_reasserted.inc(lost)
+            log.warning("budget: took back %d live leases Redis had lapsed or lost", lost)
 
     # --- background loops -----------------------------------------------------------------
 
     async def _renew_loop(self) -> None:
         every = max(0.05, self.options.lease_ttl_s / 3)
         while not self._stopping:
-            await asyncio.sleep(PROBE_EVERY_S if self.degraded else every)
+            await asyncio.sleep(PROBE_EVERY_S if self._state != "ok" else every)
             try:
-                if self.degraded:
+                if self._state == "degraded":
                     await self._call(lambda: self._client.ping())
                     await self._recover()
-                else:
-                    await self._renew_live()
+                elif self._state == "ok":
+                    await self._renew()
             except REDIS_DOWN as exc:
                 self._enter_degraded(exc)
 
-    async def _renew_live(self) -> None:
-        args: list[Any] = [int(self.options.lease_ttl_s * 1000)]
-        for lease_id, tokens in list(self._live.items()):
-            args += [lease_id, tokens]
-        renewed, used_t, used_r, expired, put_back = await self._call(
-            lambda: self._renew(keys=self._keys.script_keys, args=args)
-        )
-        self._metrics.budget_lease_renewals.inc(int(renewed))
-        self._seen(int(used_t), int(used_r), int(expired))
-        lost = 0
-        for raw in put_back:
-            lease_id = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if lease_id in self._live:
-                lost += 1
-            else:
-                # Released while the renewal was on its way: Redis had already dropped it,
-                # and the renewal put it back. Give it back again (release is idempotent).
-                self._unreleased.add(lease_id)
-                await self._remote_release(lease_id)
-        if lost:
-            self._metrics.budget_leases_reasserted.inc(lost)
-            log.warning("budget: put back %d live leases Redis had lost", lost)
-
     async def _recover(self) -> None:
-        # Releases first, so a lease given back during the outage is not put back.
-        for lease_id in list(self._unreleased):
-            await self._remote_release(lease_id)
+        """Redis answers again: under a new epoch (so what the outage delayed is fenced),
+        give back, renew and register everything this replica holds, and only then admit."""
+        self._state = "recovering"
+        self._epoch += 1
         # Local-share leases still held join the cluster budget (the renewal puts them in),
         # or the other replicas would hand their tokens out a second time.
         for held in self._fallback_held:
             if held.redis_id is None:
                 held.redis_id = f"{self.options.replica_id}:{next(self._ids)}"
                 self._live[held.redis_id] = held.tokens
-        await self._renew_live()
+        try:
+            await self._renew()
+        except BaseException:
+            self._state = "degraded"
+            self._wake_all()
+            raise
+        self._state = "ok"
         if self.options.unavailable == "local_share":
-            self._share_until = time.monotonic() + RECOVERY_GRACE_S
-        self.degraded = False
+            self._share_until = time.monotonic() + self._window_s
         self.last_error = None
         self._metrics.budget_degraded.set(0)
         log.warning("budget: Redis is back; the cluster budget applies again")
+        if self._unreleased:  # given back while the return was on its way
+            self._background(self._release_quietly(list(self._unreleased)))
         self._wake_all()
 
     async def _listen_loop(self) -> None:
@@ -386,43 +592,17 @@ class RedisBudget:
 
     # --- bookkeeping ------------------------------------------------------------------------
 
-    async def _degraded_acquire(self, tokens: int) -> FallbackLease:
-        if self.options.unavailable == "reject":
-            raise errors.budget_unavailable(self._retry_after_s)
-        share = self._fallback.max_tokens
-        if share is not None and self._tokens + self._fallback.tokens_in_use + tokens > share:
-            # What this replica still holds under Redis leases counts against its share: the
-            # shares must add up to the budget, outage or not.
-            raise errors.over_budget(
-                self._retry_after_s,
-                f"Redis is unavailable; this replica's share of {share:,} tokens is in use "
-                f"({self.tokens_in_use:,} held)",
-            )
-        lease = FallbackLease(self, await self._fallback.acquire(tokens))
-        self._fallback_held.add(lease)
-        return lease
-
-    def _over_share(self, tokens: int) -> bool:
-        """Right after an outage: would `tokens` more take this replica past its share?"""
-        share = self._fallback.max_tokens
-        if share is None or time.monotonic() >= self._share_until:
-            return False
-        return self.tokens_in_use + tokens > share
-
-    def _fallback_released(self, lease: FallbackLease) -> None:
-        self._fallback_held.discard(lease)
-        if lease.redis_id is not None:
-            self._live.pop(lease.redis_id, None)
-            self._unreleased.add(lease.redis_id)
-            if not self.degraded:
-                self._background(self._release_quietly(lease.redis_id))
-        self._wake_all()
-
     def _enter_degraded(self, exc: BaseException) -> None:
         self.last_error = type(exc).__name__
-        if self.degraded:
+        if self._state == "degraded":
             return
-        self.degraded = True
+        # From "recovering" too: the return's own call failed and `_recover` puts the state
+        # back; from "ok", the policy applies now.
+        was_ok = self._state == "ok"
+        self._state = "degraded"
+        if not was_ok:
+            return
+        self._outage_caps()
         self._metrics.budget_degraded.set(1)
         self._metrics.budget_fallbacks.labels(self.options.unavailable).inc()
         log.warning(
@@ -432,12 +612,12 @@ class RedisBudget:
         )
         self._wake_all()
 
-    def _seen(self, used_tokens: int, used_requests: int, expired: int) -> None:
+    def _seen(self, used_tokens: int, used_requests: int, dropped: int) -> None:
         self.cluster_tokens = used_tokens
         self.cluster_requests = used_requests
         self._metrics.budget_cluster_tokens.labels(self._model).set(used_tokens)
-        if expired:
-            self._metrics.budget_lease_expiries.inc(expired)
+        if dropped:
+            self._metrics.budget_lease_expiries.inc(dropped)
 
     def _wake_all(self) -> None:
         self._wake.set()
@@ -447,6 +627,14 @@ class RedisBudget:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _describe_share(self) -> str:
+        parts = []
+        if self.cap_tokens is not None:
+            parts.append(f"{self.cap_tokens:,} tokens")
+        if self.cap_requests is not None:
+            parts.append(f"{self.cap_requests} requests")
+        return ", ".join(parts) or "unlimited"
 
     def _describe_use(self) -> str:
         parts = []

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvproxy.budget.local import Lease
-
 if TYPE_CHECKING:
     from kvproxy.budget.cluster import RedisBudget
 
@@ -35,29 +33,25 @@ class RedisLease:
 
 
 class FallbackLease:
-    """A lease of the local share taken while Redis was down. When Redis returns while it is
-    still held, it is registered there too (`redis_id`), so the cluster budget counts it."""
+    """A lease of the local share taken while Redis was unavailable. When Redis returns while
+    it is still held, it is registered there too (`redis_id`), so the cluster budget counts
+    it."""
 
-    __slots__ = ("_budget", "_inner", "redis_id")
+    __slots__ = ("_budget", "redis_id", "released", "tokens", "waited_s")
 
-    def __init__(self, budget: RedisBudget, inner: Lease) -> None:
+    def __init__(self, budget: RedisBudget, tokens: int) -> None:
         self._budget = budget
-        self._inner = inner
+        self.tokens = tokens
+        # Granted at once or refused: the local share has no queue (see `RedisBudget`).
+        self.waited_s = 0.0
+        self.released = False
         self.redis_id: str | None = None
 
-    @property
-    def tokens(self) -> int:
-        return self._inner.tokens
-
-    @property
-    def waited_s(self) -> float:
-        return self._inner.waited_s
-
-    @property
-    def released(self) -> bool:
-        return self._inner.released
-
     def release(self) -> None:
-        if not self._inner.released:
-            self._inner.release()
-            self._budget._fallback_released(self)
+        if self.released:
+            return
+        self.released = True
+        self._budget._fallback_released(self)
+
+    def __repr__(self) -> str:
+        return f"<FallbackLease tokens={self.tokens} released={self.released}>"

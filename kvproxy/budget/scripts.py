@@ -7,35 +7,64 @@ skewed clocks agree on which leases have expired.
 
 Keys, under one prefix per engine pool (`{prefix}` is a hash tag: one Redis Cluster slot):
 
-    {p}:leases   ZSET  lease id -> expiry (ms, Redis clock)
-    {p}:tokens   HASH  lease id -> prompt tokens it holds
-    {p}:usage    HASH  tokens, requests: the sum over live leases, kept with every change
+    {p}:leases   ZSET  live lease id -> expiry (ms, Redis clock)
+    {p}:lapsed   ZSET  lapsed lease id -> when it is dropped (ms): still counted
+    {p}:tokens   HASH  lease id (live or lapsed) -> prompt tokens it holds
+    {p}:usage    HASH  tokens, requests: the sum over live and lapsed leases
     {p}:queue    ZSET  waiter id -> ticket (strict FIFO across replicas)
     {p}:qexp     ZSET  waiter id -> expiry (ms): a waiter that stops asking is forgotten
     {p}:seq      STRING  ticket counter
+    {p}:epoch:R  STRING  replica R's fencing epoch (see below)
     {p}:released PUBSUB channel: a release happened, waiters should ask again
 
 Lease and waiter ids start with the replica's id, so an operator can tell whose they are.
+
+Two rules close the races of a Redis outage (a blackhole, not only a refused connection):
+
+- A lease lapses, it does not vanish. A lease not renewed within its TTL moves to `lapsed`
+  and stays counted for a grace period (`lapse_ms`, longer than a cut-off replica takes to
+  notice Redis is back and renew), and its owner's renewal takes it back. When Redis itself
+  was unreachable nobody renewed, so everyone's leases lapse at once, when the first replica
+  comes back: the grace runs from then, and a replica that comes back first cannot hand out
+  the room the others still hold. A dead replica's leases are dropped after TTL + grace.
+- Fencing. Each replica numbers its connections' eras (`epoch`): after any call whose reply
+  it lost (a timeout: the request may still be in the network), it starts a new era, and
+  the first call of the new era records it in `{p}:epoch:R`. A renewal or acquisition that
+  carries an older era is refused, so a request delivered late (a TCP retransmission after
+  the blackhole ends) can neither put back a lease released since nor take one nobody
+  waits for. Releases need no fence: they only give back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Purges expired leases (a dead replica's) and waiters; returns how many leases expired.
-# Shared by every script that reads usage, so usage never counts a dead lease.
+# Longer than Linux keeps retransmitting an unacknowledged segment (tcp_retries2 = 15:
+# about 15 minutes with RFC 6298 backoff capped at 120 s), so a request from before the
+# latest era always meets the record of that era; renewed with every renewal (every third
+# of the lease TTL), so it lapses only an hour after its replica is gone.
+EPOCH_TTL_MS = 3_600_000
+
+# Purges: lapses leases whose TTL passed (still counted), drops lapsed leases whose grace
+# passed, forgets waiters that stopped asking. Expects `lapse_ms` set by the script. Shared by
+# every script that reads usage, so usage never counts a dropped lease.
 _PURGE = """
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) * 1000 + math.floor(tonumber(now_t[2]) / 1000)
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
-for _, id in ipairs(expired) do
+local lapsing = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+for _, id in ipairs(lapsing) do
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('ZADD', KEYS[7], now + lapse_ms, id)
+end
+local dropped = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now)
+for _, id in ipairs(dropped) do
   local tok = redis.call('HGET', KEYS[2], id)
   if tok then
     redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(tok))
     redis.call('HINCRBY', KEYS[3], 'requests', -1)
     redis.call('HDEL', KEYS[2], id)
   end
-  redis.call('ZREM', KEYS[1], id)
+  redis.call('ZREM', KEYS[7], id)
 end
 local gone = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)
 for _, w in ipairs(gone) do
@@ -46,20 +75,45 @@ local used_t = tonumber(redis.call('HGET', KEYS[3], 'tokens') or '0')
 local used_r = tonumber(redis.call('HGET', KEYS[3], 'requests') or '0')
 """
 
-# KEYS: leases tokens usage queue qexp seq
-# ARGV: id tokens max_tokens max_requests lease_ttl_ms waiter_ttl_ms  (max < 0: no limit)
-# Returns {granted (1/0), tokens in use, requests in use, leases expired by this call}.
+# Gives back one lease (live or lapsed) and takes its id out of the queue; sets `freed`.
+_FORGET_ONE = """
+local function forget(id)
+  redis.call('ZREM', KEYS[4], id)
+  redis.call('ZREM', KEYS[5], id)
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('ZREM', KEYS[7], id)
+  local tok = redis.call('HGET', KEYS[2], id)
+  if not tok then
+    return 0
+  end
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(tok))
+  redis.call('HINCRBY', KEYS[3], 'requests', -1)
+  return 1
+end
+"""
+
+# KEYS: leases tokens usage queue qexp seq lapsed epoch
+# ARGV: id tokens max_tokens max_requests lease_ttl_ms waiter_ttl_ms lapse_ms epoch
+#       (max < 0: no limit)
+# Returns {granted (1/0, -1: fenced), tokens in use, requests in use, leases dropped}.
 # Idempotent per id, so the client may retry a call whose reply it lost.
 # Strict FIFO across replicas: a request is granted only when the queue is empty or it is
 # the head, and a head that does not fit blocks those behind it, as the local budget does.
 ACQUIRE = (
-    _PURGE
+    """
+local lapse_ms = tonumber(ARGV[7])
+if tonumber(ARGV[8]) < tonumber(redis.call('GET', KEYS[8]) or '0') then
+  return {-1, 0, 0, 0}
+end
+"""
+    + _PURGE
     + """
 local id = ARGV[1]
 local tok = tonumber(ARGV[2])
 if redis.call('HEXISTS', KEYS[2], id) == 1 then
   -- Already granted: a client retry after a lost reply must not take the room twice.
-  return {1, used_t, used_r, #expired}
+  return {1, used_t, used_r, #dropped}
 end
 local max_t = tonumber(ARGV[3])
 local max_r = tonumber(ARGV[4])
@@ -72,57 +126,82 @@ if fits and (head == nil or head == id) then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[5]), id)
   redis.call('HINCRBY', KEYS[3], 'tokens', tok)
   redis.call('HINCRBY', KEYS[3], 'requests', 1)
-  return {1, used_t + tok, used_r + 1, #expired}
+  return {1, used_t + tok, used_r + 1, #dropped}
 end
 if not redis.call('ZSCORE', KEYS[4], id) then
   redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[6]), id)
 end
 redis.call('ZADD', KEYS[5], now + tonumber(ARGV[6]), id)
-return {0, used_t, used_r, #expired}
+return {0, used_t, used_r, #dropped}
 """
 )
 
-# KEYS: leases tokens usage queue qexp seq;  ARGV: waiter id
-# A waiter that gave up (timeout, cancelled) leaves the queue so it blocks nobody.
-LEAVE_QUEUE = """
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('ZREM', KEYS[5], ARGV[1])
-return 1
-"""
-
-# KEYS: leases tokens usage queue qexp seq released-channel;  ARGV: lease id
-# Idempotent: a lease released twice, or already expired, changes nothing the second time.
-RELEASE = """
-local tok = redis.call('HGET', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[1], ARGV[1])
-if not tok then
-  return 0
+# KEYS: leases tokens usage queue qexp seq lapsed released-channel;  ARGV: ids
+# A lease given back, or a waiter that gave up (timeout, cancelled), perhaps granted by a
+# call whose reply was lost: out of the queue and out of the budget. Idempotent: a lease
+# released twice, or already dropped, changes nothing the second time. Returns how many
+# leases it gave back.
+RELEASE = (
+    _FORGET_ONE
+    + """
+local freed = 0
+for i = 1, #ARGV do
+  freed = freed + forget(ARGV[i])
 end
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(tok))
-redis.call('HINCRBY', KEYS[3], 'requests', -1)
 -- Wake waiters only when there are some: a message costs every replica a wake-up.
-if redis.call('ZCARD', KEYS[4]) > 0 then
-  redis.call('PUBLISH', KEYS[7], ARGV[1])
+if freed > 0 and redis.call('ZCARD', KEYS[4]) > 0 then
+  redis.call('PUBLISH', KEYS[8], ARGV[1])
 end
-return 1
+return freed
 """
+)
 
-# KEYS: leases tokens usage queue qexp seq;  ARGV: lease_ttl_ms, then (id, tokens) pairs
-# Renews this replica's live leases. A live lease Redis no longer has (Redis restarted empty,
-# or an outage outlasted the expiry) is put back: the request still holds its share, and a
-# budget that forgot it would over-commit the engines. A lease released while this script
-# was on its way is put back too; the caller releases it again (see `_renew_live`). Returns
-# {renewed, tokens in use, requests in use, expired, {ids put back}}.
+# KEYS: leases tokens usage queue qexp seq lapsed epoch released-channel
+# ARGV: lease_ttl_ms lapse_ms epoch epoch_ttl_ms n_forget, n_forget ids, then (id, tokens)
+#       pairs of this replica's live leases
+# The renewal, and the return from an outage, in one atomic step: fence (an older era is
+# refused, and this era is recorded), give back what the replica released or abandoned
+# meanwhile (before anything is renewed, so nothing released is put back), then renew its
+# live leases: a lapsed one is taken back, one Redis no longer has (Redis restarted empty,
+# or an outage outlasted TTL + grace) is put back, since the request still holds its share
+# and a budget that forgot it would over-commit the engines. A lease released on another
+# connection while this call was on its way is put back too; the caller releases it again
+# (see `RedisBudget._renew`). Returns {renewed (-1: fenced), tokens in use, requests in use,
+# dropped, {ids put back}, lapsed leases taken back}.
 RENEW = (
-    _PURGE
+    _FORGET_ONE
+    + """
+local lapse_ms = tonumber(ARGV[2])
+local epoch = tonumber(ARGV[3])
+if epoch < tonumber(redis.call('GET', KEYS[8]) or '0') then
+  return {-1, 0, 0, 0, {}, 0}
+end
+redis.call('SET', KEYS[8], epoch, 'PX', tonumber(ARGV[4]))
+"""
+    + _PURGE
     + """
 local ttl = tonumber(ARGV[1])
+local n_forget = tonumber(ARGV[5])
+local freed = 0
+for i = 6, 5 + n_forget do
+  freed = freed + forget(ARGV[i])
+end
+if freed > 0 then
+  used_t = tonumber(redis.call('HGET', KEYS[3], 'tokens') or '0')
+  used_r = tonumber(redis.call('HGET', KEYS[3], 'requests') or '0')
+  if redis.call('ZCARD', KEYS[4]) > 0 then
+    redis.call('PUBLISH', KEYS[9], 'renew')
+  end
+end
 local renewed = 0
+local reclaimed = 0
 local reasserted = {}
-for i = 2, #ARGV, 2 do
+for i = 6 + n_forget, #ARGV, 2 do
   local id = ARGV[i]
   if redis.call('HEXISTS', KEYS[2], id) == 1 then
+    if redis.call('ZREM', KEYS[7], id) == 1 then
+      reclaimed = reclaimed + 1
+    end
     redis.call('ZADD', KEYS[1], now + ttl, id)
     renewed = renewed + 1
   else
@@ -136,7 +215,7 @@ for i = 2, #ARGV, 2 do
     table.insert(reasserted, id)
   end
 end
-return {renewed, used_t, used_r, #expired, reasserted}
+return {renewed, used_t, used_r, #dropped, reasserted, reclaimed}
 """
 )
 
@@ -156,7 +235,18 @@ class BudgetKeys:
     @property
     def script_keys(self) -> list[str]:
         p = self.prefix
-        return [f"{p}:leases", f"{p}:tokens", f"{p}:usage", f"{p}:queue", f"{p}:qexp", f"{p}:seq"]
+        return [
+            f"{p}:leases",
+            f"{p}:tokens",
+            f"{p}:usage",
+            f"{p}:queue",
+            f"{p}:qexp",
+            f"{p}:seq",
+            f"{p}:lapsed",
+        ]
+
+    def epoch(self, replica_id: str) -> str:
+        return f"{self.prefix}:epoch:{replica_id}"
 
     @property
     def channel(self) -> str:

@@ -150,6 +150,11 @@ class Metrics:
             "Largest event-loop lag seen since start.",
             registry=r,
         )
+        self.event_loop_tasks = Gauge(
+            "kvproxy_event_loop_tasks",
+            "Tasks alive on the event loop (back to its idle level when traffic ends).",
+            registry=r,
+        )
 
         # --- capacity ---------------------------------------------------------------------
         self.pool_capacity = Gauge(

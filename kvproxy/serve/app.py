@@ -125,6 +125,7 @@ class KvproxyServer:
         state.idle.set()
         # Read at scrape time: a gauge write per request start and end was measurable.
         self.metrics.inflight.set_function(lambda: state.inflight)
+        self.metrics.event_loop_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
         for canary in s.canaries:
             self.metrics.canary_violations.labels(canary.tenant)
         for m in models.models:

@@ -260,6 +260,8 @@ class DecodeServer(EngineServer):
 
     def _on_abort(self, state: DecodeRoom) -> None:
         self.stats.aborts += 1
+        if state.pages and not state.drained:
+            self.stats.aborts_before_drain += 1
         if not state.pages or state.drained:
             if state.pages:
                 self.free_pages(state.pages, state.room)

@@ -62,6 +62,9 @@ class PDRouter:
         self.client_disconnects = 0
         self.prefill_errors_passed = 0
         self.upstream_errors = 0
+        # A request id seen twice means something in front of the router sent it twice.
+        self._seen_ids: set[str] = set()
+        self.duplicate_request_ids = 0
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -133,6 +136,12 @@ class PDRouter:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         self.requests_by_route[request.path] += 1
+        rid = request.headers.get("X-Request-ID")
+        if rid is not None:
+            if rid in self._seen_ids:
+                self.duplicate_request_ids += 1
+            elif len(self._seen_ids) < 1 << 20:  # bounded: a long soak forgets nothing soon
+                self._seen_ids.add(rid)
         try:
             body = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -226,6 +235,7 @@ class PDRouter:
             "client_disconnects": self.client_disconnects,
             "prefill_errors_passed": self.prefill_errors_passed,
             "upstream_errors": self.upstream_errors,
+            "duplicate_request_ids": self.duplicate_request_ids,
             "prefill_url": self.prefill_url,
             "decode_url": self.decode_url,
         }
@@ -257,6 +267,7 @@ class PDRouter:
     async def _reset(self, request: web.Request) -> web.Response:
         self.requests_by_route.clear()
         self.client_disconnects = self.prefill_errors_passed = self.upstream_errors = 0
+        self.duplicate_request_ids = 0
         return web.json_response(
             {"router": {"reset": True}, **await self._fan_out("POST", "/sim/reset")}
         )

@@ -97,6 +97,9 @@ class EngineStats:
     rejections_at_admission: int = 0
     pending_rejections: int = 0
     aborts: int = 0
+    # Aborts that arrived while the request's transfer was still writing (decode held pages
+    # and "transfer done" had not come): the incident's second race, whatever decode does next.
+    aborts_before_drain: int = 0
     abort_acks: int = 0
     abort_ack_timeouts: int = 0
     bootstrap_failures: int = 0

@@ -179,14 +179,16 @@ async def test_never_more_than_the_budget_across_three_replicas(tmp_path: Path) 
 
 async def test_a_dead_replicas_leases_expire(tmp_path: Path) -> None:
     async with redis_server(tmp_path) as server:
-        async with replicas(server, 1, lease_ttl_s=1.0) as (dead,):
+        # The lease lapses after its TTL and is dropped after the recovery window more
+        # (2 x 1 s probes + 3 x the 1 s timeout): 6 s in all, within the queue timeout.
+        async with replicas(server, 1, lease_ttl_s=1.0, timeout_s=1.0) as (dead,):
             await dead.acquire(100)  # never released: the replica "dies" holding it
             for task in dead._loops:  # no more renewals, as after SIGKILL
                 task.cancel()
             dead._live.clear()
         assert await usage(server) == (100, 1)
-        async with replicas(server, 1, queue_timeout_s=10.0) as (alive,):
-            lease = await alive.acquire(100)  # granted once the dead lease expired
+        async with replicas(server, 1, queue_timeout_s=15.0, timeout_s=1.0) as (alive,):
+            lease = await alive.acquire(100)  # granted once the dead lease was dropped
             assert sample(alive, "kvproxy_budget_lease_expiries_total") == 1
             lease.release()
 
