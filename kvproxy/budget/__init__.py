@@ -3,6 +3,7 @@ this replica (`local`) or shared by every replica through Redis (`cluster`); `bu
 picks one from the settings. A lease is held until the upstream is closed (I6)."""
 
 from kvproxy.budget.build import build_budget
-from kvproxy.budget.local import Budget, BudgetLease, Lease, charge_tokens
+from kvproxy.budget.leases import Lease
+from kvproxy.budget.local import Budget, charge_tokens
 
-__all__ = ["Budget", "BudgetLease", "Lease", "build_budget", "charge_tokens"]
+__all__ = ["Budget", "Lease", "build_budget", "charge_tokens"]

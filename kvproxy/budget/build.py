@@ -6,24 +6,39 @@ core install has no redis package unless the operator asked for the redis backen
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from kvproxy.budget.local import Budget, InflightBudget
 from kvproxy.config import IMPLICIT_MODEL, ConfigError, Settings
 from kvproxy.observe import Metrics
+
+
+class _Sizing(TypedDict):
+    """What both budgets are sized by (each constructor takes these keywords)."""
+
+    max_tokens: int | None
+    max_requests: int | None
+    queue_timeout_s: float
+    queue_max_waiters: int
+    metrics: Metrics
+    model: str
 
 
 def build_budget(s: Settings, metrics: Metrics, model: str = IMPLICIT_MODEL) -> Budget:
     # Exported (0) for the local backend too, as before the gauge had a `model` label: the
     # dashboard's panel reads it whichever backend runs.
     metrics.budget_cluster_tokens.labels(model)
+    # The same budget whichever backend holds it.
+    sizing: _Sizing = {
+        "max_tokens": s.max_inflight_prompt_tokens,
+        "max_requests": s.max_inflight_requests,
+        "queue_timeout_s": s.queue_timeout_s,
+        "queue_max_waiters": s.queue_max_waiters,
+        "metrics": metrics,
+        "model": model,
+    }
     if s.budget_backend == "local":
-        return InflightBudget(
-            max_tokens=s.max_inflight_prompt_tokens,
-            max_requests=s.max_inflight_requests,
-            queue_timeout_s=s.queue_timeout_s,
-            queue_max_waiters=s.queue_max_waiters,
-            metrics=metrics,
-            model=model,
-        )
+        return InflightBudget(**sizing)
     try:
         from kvproxy.budget.cluster import RedisBudget
         from kvproxy.budget.connection import RedisOptions, default_replica_id
@@ -33,12 +48,7 @@ def build_budget(s: Settings, metrics: Metrics, model: str = IMPLICIT_MODEL) -> 
         ) from None
     assert s.redis_url is not None  # Settings refuses redis without a URL
     return RedisBudget(
-        max_tokens=s.max_inflight_prompt_tokens,
-        max_requests=s.max_inflight_requests,
-        queue_timeout_s=s.queue_timeout_s,
-        queue_max_waiters=s.queue_max_waiters,
-        metrics=metrics,
-        model=model,
+        **sizing,
         options=RedisOptions(
             url=s.redis_url.get_secret_value(),
             password=s.redis_password_value(),

@@ -55,7 +55,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from kvproxy.budget.connection import REDIS_DOWN, RedisDown, RedisOptions, make_client
-from kvproxy.budget.leases import FallbackLease, RedisLease
+from kvproxy.budget.leases import Lease
 from kvproxy.budget.local import retry_after_s
 from kvproxy.budget.scripts import ACQUIRE, EPOCH_TTL_MS, RELEASE, RENEW, BudgetKeys
 from kvproxy.config import IMPLICIT_MODEL
@@ -119,7 +119,7 @@ class RedisBudget:
         self._live: dict[str, int] = {}  # lease id -> tokens, for renewal
         self._unreleased: set[str] = set()  # to give back; Redis has not confirmed yet
         self._calls: dict[str, asyncio.Future[Any]] = {}  # acquisitions still on their way
-        self._fallback_held: set[FallbackLease] = set()
+        self._fallback_held: set[Lease] = set()
         self._share_until = 0.0  # monotonic time the post-outage share cap ends
         self._window_s = recovery_window_s(options.timeout_s)
         self._tokens = 0  # held under Redis leases
@@ -203,7 +203,7 @@ class RedisBudget:
         with contextlib.suppress(*REDIS_DOWN):
             await self._client.aclose()
 
-    async def acquire(self, tokens: int) -> RedisLease | FallbackLease:
+    async def acquire(self, tokens: int) -> Lease:
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         if self.max_tokens is not None and tokens > self.max_tokens:
@@ -256,9 +256,7 @@ class RedisBudget:
 
     # --- acquiring --------------------------------------------------------------------------
 
-    async def _redis_acquire(
-        self, tokens: int, started: float, deadline: float
-    ) -> RedisLease | None:
+    async def _redis_acquire(self, tokens: int, started: float, deadline: float) -> Lease | None:
         """A lease from Redis, or None when Redis became unavailable meanwhile (the caller
         follows the state from there)."""
         if self._waiters >= self.queue_max_waiters and self.queue_timeout_s > 0:
@@ -282,7 +280,7 @@ class RedisBudget:
                     self._live[lease_id] = tokens
                     self._tokens += tokens
                     self._requests += 1
-                    return RedisLease(self, lease_id, tokens, waited)
+                    return Lease(self, tokens, waited, lease_id=lease_id)
                 if self._closing is not None:
                     raise errors.over_budget(self._retry_after_s, self._closing)
                 left = deadline - time.monotonic()
@@ -387,7 +385,7 @@ class RedisBudget:
         finally:
             self._waiters -= 1
 
-    def _degraded_acquire(self, tokens: int) -> FallbackLease:
+    def _degraded_acquire(self, tokens: int) -> Lease:
         """The policy while Redis is unavailable; synchronous, so checked and charged at once."""
         if self.options.unavailable == "reject":
             raise errors.budget_unavailable(self._retry_after_s)
@@ -403,7 +401,8 @@ class RedisBudget:
         self._fb_tokens += tokens
         self._fb_requests += 1
         self._metrics.queue_wait.observe(0.0)
-        lease = FallbackLease(self, tokens)
+        # Granted at once or refused: the local share has no queue.
+        lease = Lease(self, tokens, local=True)
         self._fallback_held.add(lease)
         return lease
 
@@ -443,20 +442,28 @@ class RedisBudget:
 
     # --- giving back ----------------------------------------------------------------------
 
-    def _release(self, lease: RedisLease) -> None:
+    def give_back(self, lease: Lease) -> None:
+        """LeaseOwner: a lease of the cluster budget, or of the local share."""
+        if lease.local:
+            self._fallback_released(lease)
+        else:
+            self._release(lease)
+
+    def _release(self, lease: Lease) -> None:
+        assert lease.id is not None  # Redis named it when it lent it
         self._live.pop(lease.id, None)
         self._tokens -= lease.tokens
         self._requests -= 1
         self._abandon(lease.id)
         self._wake_all()  # our own waiters need no round trip through pub/sub
 
-    def _fallback_released(self, lease: FallbackLease) -> None:
+    def _fallback_released(self, lease: Lease) -> None:
         self._fallback_held.discard(lease)
         self._fb_tokens -= lease.tokens
         self._fb_requests -= 1
-        if lease.redis_id is not None:
-            self._live.pop(lease.redis_id, None)
-            self._abandon(lease.redis_id)
+        if lease.id is not None:  # Redis has counted it since it came back
+            self._live.pop(lease.id, None)
+            self._abandon(lease.id)
         self._wake_all()
 
     def _abandon(self, lease_id: str) -> None:
@@ -558,9 +565,9 @@ class RedisBudget:
         # Local-share leases still held join the cluster budget (the renewal puts them in),
         # or the other replicas would hand their tokens out a second time.
         for held in self._fallback_held:
-            if held.redis_id is None:
-                held.redis_id = f"{self.options.replica_id}:{next(self._ids)}"
-                self._live[held.redis_id] = held.tokens
+            if held.id is None:
+                held.id = f"{self.options.replica_id}:{next(self._ids)}"
+                self._live[held.id] = held.tokens
         try:
             await self._renew()
         except BaseException:

@@ -1,57 +1,66 @@
-"""What a request holds under the cluster budget (`budget_redis`): a lease Redis knows, or,
-while Redis is unavailable, one of this replica's local share. Both give their tokens back
-through the budget that lent them; `release()` is idempotent."""
+"""What a request holds while it is upstream: a `Lease` of in-flight budget, given back once
+(`release()` is idempotent) to the budget that lent it, through the small `LeaseOwner`
+interface both budgets implement (the local one, and the Redis one with its leases Redis
+knows by `id` and, while Redis is unavailable, the leases of this replica's local share).
+
+Must never: give a lease's tokens back twice, or reach into its owner's private state.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvproxy.budget.cluster import RedisBudget
+from types import TracebackType
+from typing import Protocol
 
 
-class RedisLease:
-    """A share of the cluster budget held under lease `id` in Redis."""
+class LeaseOwner(Protocol):
+    """The budget a lease goes back to."""
 
-    __slots__ = ("_budget", "id", "released", "tokens", "waited_s")
+    def give_back(self, lease: Lease) -> None: ...
 
-    def __init__(self, budget: RedisBudget, lease_id: str, tokens: int, waited_s: float):
-        self._budget = budget
-        self.id = lease_id
+
+class Lease:
+    """A share of an in-flight budget. `with lease:` releases on exit.
+
+    `id`: the lease's name in Redis, under the cluster budget (None under the local one, and
+    for a lease of the local share until Redis counts it); `local`: taken from this replica's
+    local share while Redis was unavailable."""
+
+    __slots__ = ("_owner", "id", "local", "released", "tokens", "waited_s")
+
+    def __init__(
+        self,
+        owner: LeaseOwner,
+        tokens: int,
+        waited_s: float = 0.0,
+        *,
+        lease_id: str | None = None,
+        local: bool = False,
+    ) -> None:
+        self._owner = owner
         self.tokens = tokens
         self.waited_s = waited_s
+        self.id = lease_id
+        self.local = local
         self.released = False
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        self._budget._release(self)
+        self._owner.give_back(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
 
     def __repr__(self) -> str:
-        return f"<RedisLease {self.id} tokens={self.tokens} released={self.released}>"
-
-
-class FallbackLease:
-    """A lease of the local share taken while Redis was unavailable. When Redis returns while
-    it is still held, it is registered there too (`redis_id`), so the cluster budget counts
-    it."""
-
-    __slots__ = ("_budget", "redis_id", "released", "tokens", "waited_s")
-
-    def __init__(self, budget: RedisBudget, tokens: int) -> None:
-        self._budget = budget
-        self.tokens = tokens
-        # Granted at once or refused: the local share has no queue (see `RedisBudget`).
-        self.waited_s = 0.0
-        self.released = False
-        self.redis_id: str | None = None
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        self._budget._fallback_released(self)
-
-    def __repr__(self) -> str:
-        return f"<FallbackLease tokens={self.tokens} released={self.released}>"
+        kind = " local" if self.local else ""
+        name = f" {self.id}" if self.id else ""
+        return f"<Lease{kind}{name} tokens={self.tokens} released={self.released}>"

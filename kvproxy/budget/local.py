@@ -29,9 +29,9 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any, Protocol
 
+from kvproxy.budget.leases import Lease
 from kvproxy.config import IMPLICIT_MODEL
 from kvproxy.observe import Metrics
 from kvproxy.policy import errors
@@ -60,38 +60,6 @@ def retry_after_s(queue_timeout_s: float) -> int:
     """The Retry-After a 429 (or a 503 of the Redis budget) carries: the queue timeout is the
     time scale on which room appears, capped by MAX_RETRY_AFTER_S."""
     return max(1, min(MAX_RETRY_AFTER_S, math.ceil(queue_timeout_s)))
-
-
-class Lease:
-    """A share of the budget. `release()` is idempotent; `with lease:` releases on exit."""
-
-    __slots__ = ("_budget", "released", "tokens", "waited_s")
-
-    def __init__(self, budget: InflightBudget, tokens: int, waited_s: float) -> None:
-        self._budget = budget
-        self.tokens = tokens
-        self.waited_s = waited_s
-        self.released = False
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        self._budget._give_back(self.tokens)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"<Lease tokens={self.tokens} released={self.released}>"
 
 
 class _Waiter:
@@ -195,7 +163,7 @@ class InflightBudget:
             # Cancelled (or anything else) while queued: leave no trace. If the grant
             # raced the cancellation, hand the tokens straight back to the next waiter.
             if self._granted(waiter):
-                self._give_back(tokens)
+                self._return(tokens)
             else:
                 self._forget(waiter)
             raise
@@ -240,7 +208,11 @@ class InflightBudget:
         self._tokens += tokens
         self._requests += 1
 
-    def _give_back(self, tokens: int) -> None:
+    def give_back(self, lease: Lease) -> None:
+        """LeaseOwner: a released lease's tokens come back."""
+        self._return(lease.tokens)
+
+    def _return(self, tokens: int) -> None:
         self._tokens -= tokens
         self._requests -= 1
         assert self._tokens >= 0, "budget released more tokens than taken"
@@ -293,18 +265,6 @@ class InflightBudget:
         )
 
 
-class BudgetLease(Protocol):
-    """What the proxy holds while a request is upstream, whichever budget lent it."""
-
-    @property
-    def tokens(self) -> int: ...
-    @property
-    def waited_s(self) -> float: ...
-    @property
-    def released(self) -> bool: ...
-    def release(self) -> None: ...
-
-
 class Budget(Protocol):
     """The interface the proxy and the app use: the local budget and the Redis one."""
 
@@ -316,7 +276,7 @@ class Budget(Protocol):
     def requests_in_use(self) -> int: ...
     @property
     def queue_depth(self) -> int: ...
-    async def acquire(self, tokens: int) -> BudgetLease: ...
+    async def acquire(self, tokens: int) -> Lease: ...
     def reject_waiting(self, detail: str = ...) -> int: ...
     async def start(self) -> None: ...
     async def aclose(self) -> None: ...

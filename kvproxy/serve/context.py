@@ -22,7 +22,7 @@ from kvproxy.policy import Admit, ErrorStyle
 from kvproxy.prompt import PromptShape
 
 if TYPE_CHECKING:
-    from kvproxy.budget import BudgetLease
+    from kvproxy.budget import Lease
     from kvproxy.policy import RouteMatch
     from kvproxy.serve.models import ModelServices
     from kvproxy.serve.state import ServerState, Services
@@ -77,7 +77,7 @@ class RequestContext:
     model_services: ModelServices | None = None
     shape: PromptShape | None = None
     verdict: Admit | None = None
-    lease: BudgetLease | None = None
+    lease: Lease | None = None
 
     @property
     def streaming(self) -> bool:

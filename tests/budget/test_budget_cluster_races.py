@@ -28,7 +28,7 @@ from redis_server import RedisServer, needs_redis, redis_server
 from test_budget_cluster import POOL, options, sample, usage
 
 from kvproxy.budget.cluster import RedisBudget
-from kvproxy.budget.leases import RedisLease
+from kvproxy.budget.leases import Lease
 from kvproxy.budget.scripts import BudgetKeys
 from kvproxy.observe.metrics import Metrics
 from kvproxy.policy.errors import KvproxyError
@@ -167,7 +167,9 @@ async def test_a_late_renewal_cannot_put_back_a_released_lease(tmp_path: Path) -
         budget(relay.url, lease_ttl_s=3.0, timeout_s=0.5) as r,
     ):
         lease = await r.acquire(40)
-        assert isinstance(lease, RedisLease)
+        assert isinstance(lease, Lease)
+        assert lease.id is not None
+        assert not lease.local
         # A renewal went through: the connection it used is open and pooled, so the next
         # one is sent on it (a new connection's handshake would stop in the blackhole).
         await until(lambda: sample(r, "kvproxy_budget_lease_renewals_total") >= 1)
