@@ -51,6 +51,14 @@ from kvproxy.upstream_conn import UpstreamConnectError as UpstreamConnectError
 from kvproxy.upstream_conn import UpstreamProtocolError as UpstreamProtocolError
 from kvproxy.upstream_conn import UpstreamResponse as UpstreamResponse
 
+# Envoy's defaults for a response head: 60 KiB (max_response_headers_kb) and 100 fields
+# (max_headers_count). nginx's proxy_buffer_size (one 4-8 KiB page) is tighter; a router's
+# head is well under 1 KiB, so the larger bound refuses nothing real.
+DEFAULT_MAX_HEAD_BYTES = 60 * 1024
+DEFAULT_MAX_HEADERS = 100
+# nginx's proxy_send_timeout: the longest the upstream may take no request bytes.
+DEFAULT_SEND_TIMEOUT_S = 60.0
+
 
 class UpstreamPool:
     """Connections to every upstream origin of this process. One per server."""
@@ -62,11 +70,17 @@ class UpstreamPool:
         keepalive_s: float,
         connect_timeout_s: float,
         read_timeout_s: float,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+        max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+        max_headers: int = DEFAULT_MAX_HEADERS,
     ) -> None:
         self.limit = limit
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
         self._origins: dict[str, Origin] = {}
         self._idle: dict[Origin, list[Connection]] = {}
         self._open: set[Connection] = set()
@@ -126,6 +140,8 @@ class UpstreamPool:
             assert conn.head is not None
             return await conn.head
         except BaseException:
+            if conn.head is not None and not conn.head.done():
+                conn.head.cancel()  # nobody will read it: no "exception never retrieved"
             conn.abort()
             raise
 

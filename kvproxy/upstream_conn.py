@@ -2,11 +2,31 @@
 is reading: llhttp's callbacks (httptools) turned into a head, a body read as it arrives
 with flow control, and the read timeout (one timer for the connection's life).
 
+What it accepts from an upstream is llhttp's strict reading plus the rules below, each
+where llhttp is laxer than h11 (the reference the differential suite holds it to,
+tests/upstream/test_upstream_h11.py) or than RFC 9110/9112:
+- a status code in 100..599 (RFC 9110 §15: llhttp reads `099` as 99);
+- a reason phrase of HTAB, SP, VCHAR and obs-text only (RFC 9112 §4; llhttp passes NUL);
+- at most one Transfer-Encoding field line, and then only `chunked` (RFC 9112 §6.1:
+  llhttp reads `gzip, chunked` as chunked and `chunked,` or `gzip` as close-delimited,
+  which would relay still-coded bytes past the tripwire; h11 refuses all of them);
+- an interim (1xx) response with neither Transfer-Encoding nor a non-zero Content-Length
+  (RFC 9110 §15.2: a 1xx has no content; llhttp reads a body for 104-199, which would
+  then reach the client in front of the real one);
+- header values that are UTF-8 (they are relayed through aiohttp, which writes str: other
+  bytes could not be relayed as sent);
+- a head (status line and header lines, interim heads included) of at most
+  `max_head_bytes`, counted as it is fed to the parser, never after, and at most
+  `max_headers` fields per head; a chunked body's trailer section bounded the same way.
+Anything else is an UpstreamProtocolError and the connection is dropped.
+
 Raises into the reader (kvproxy.netio classifies them): ConnectionResetError (the upstream
-closed before the response ended), TimeoutError, UpstreamProtocolError.
+closed before the response ended), TimeoutError (no bytes for the read timeout, or the
+upstream took no request bytes for the send timeout), UpstreamProtocolError.
 
 Must never: take bytes with no request outstanding, reuse itself after a response it could
-not read to the end, or hold more than READ_HIGH_WATER unread body bytes.
+not read to the end or that came before the request was all sent, hold more than
+READ_HIGH_WATER unread body bytes, or parse more than the head bound before refusing.
 """
 
 from __future__ import annotations
@@ -29,6 +49,9 @@ READ_HIGH_WATER = 1 << 20
 # A request body above this goes out in pieces of this size, each once the socket drained.
 WRITE_PIECE = 256 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
+# Bytes a reason phrase may hold (RFC 9112 §4: HTAB / SP / VCHAR / obs-text), deleted to see
+# what is left.
+_REASON_BYTES = bytes([0x09, *range(0x20, 0x7F), *range(0x80, 0x100)])
 
 
 class UpstreamProtocolError(Exception):
@@ -178,6 +201,16 @@ class Connection(asyncio.Protocol):
         self._reason = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
         self._no_body = False
+        # Bytes the response head may still take; -1 once the final head is read.
+        self._head_room = -1
+        self._body_phase = False  # the final head was read
+        # A chunk's size line was read and none of its data yet: if no data follows, what
+        # follows is the trailer section (the last chunk's), bounded by _trailer_room.
+        self._trailer_watch = False
+        self._trailer_room = 0
+        self._trailers = 0
+        # The request body is still being written (UpstreamPool.request's send_rest).
+        self._body_pending = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -205,10 +238,15 @@ class Connection(asyncio.Protocol):
             self._protocol_error("bytes arrived with no request outstanding")
             return
         try:
-            self.parser.feed_data(data)
+            self._feed(data)
         except httptools.HttpParserUpgrade:
             self._protocol_error("the upstream switched protocols")
         except httptools.HttpParserError as exc:
+            # A callback's own refusal travels as the parser error's context.
+            cause = exc.__context__
+            why = cause if isinstance(cause, UpstreamProtocolError) else exc
+            self._protocol_error(f"unreadable response ({why})")
+        except UpstreamProtocolError as exc:
             self._protocol_error(f"unreadable response ({exc})")
 
     def eof_received(self) -> bool:
@@ -219,9 +257,42 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        drained = self._drained
-        if drained is not None and not drained.done():
-            drained.set_result(None)
+        self._wake_sender()
+
+    # --- feeding the parser, bounded ----------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        room = self._head_room
+        if room < 0:
+            if self._trailer_watch:
+                self._feed_after_chunk_size(data)
+            else:
+                self.parser.feed_data(data)  # the body: the hot path
+        elif len(data) <= room:
+            self._head_room = room - len(data)
+            self.parser.feed_data(data)
+        else:
+            # Only as much as the head may still take: a head past the bound is refused
+            # before llhttp (or httptools, which joins a header's pieces) holds more.
+            if room:
+                self.parser.feed_data(data[:room])
+            if self._head_room >= 0:
+                what = "trailers" if self._body_phase else "head"
+                raise UpstreamProtocolError(
+                    f"response {what} over {self.pool.max_head_bytes} bytes"
+                )
+            self._feed(data[room:])
+
+    def _feed_after_chunk_size(self, data: bytes) -> None:
+        # The read before ended with a chunk's size line. One byte tells what follows: a
+        # chunk's data clears the watch (on_body); anything else is the last chunk's
+        # trailer section, from here on counted like a head.
+        self.parser.feed_data(data[:1])
+        if self._trailer_watch:
+            self._trailer_watch = False
+            self._head_room = self._trailer_room - 1
+        if len(data) > 1:
+            self._feed(data[1:])
 
     # --- llhttp callbacks ---------------------------------------------------------------
 
@@ -235,30 +306,55 @@ class Connection(asyncio.Protocol):
         self._reason += status  # may come in pieces
 
     def on_header(self, name: bytes, value: bytes | None) -> None:
-        self._headers.append((name, value or b""))
+        if self._body_phase:
+            # A trailer field (after the last chunk): read and dropped, as aiohttp does;
+            # only counted.
+            self._trailers += 1
+            if self._trailers > self.pool.max_headers:
+                raise UpstreamProtocolError(f"more than {self.pool.max_headers} trailer fields")
+            return
+        headers = self._headers
+        headers.append((name, value or b""))
+        if len(headers) > self.pool.max_headers:
+            raise UpstreamProtocolError(f"more than {self.pool.max_headers} header fields")
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200:
-            # An interim response (100 Continue, 103 Early Hints): the real one follows.
-            self._interim = True
-            self._headers.clear()
-            self._reason.clear()
+        raw = self._headers
+        if self._reason.translate(None, _REASON_BYTES):
+            raise UpstreamProtocolError("a control character in the reason phrase")
+        if status < 200:
+            self._interim_head(status, raw)
             return
+        if status > 599:
+            raise UpstreamProtocolError(f"status code {status} is not in 100..599")
         resp = self.response
         assert resp is not None
         headers: CIMultiDict[str] = CIMultiDict()
         chunked = has_length = False
-        for name, value in self._headers:
-            key = name.decode("latin-1")
-            text = value.decode("utf-8", "surrogateescape")
+        codings = 0
+        for name, value in raw:
+            key = name.decode("latin-1")  # llhttp let only token characters through
+            try:
+                # llhttp strips a value's leading whitespace, not its trailing (RFC 9110
+                # §5.5: neither is part of the value).
+                text = value.rstrip(b" \t").decode("utf-8")
+            except UnicodeDecodeError:
+                raise UpstreamProtocolError(f"the value of {key} is not UTF-8") from None
             headers.add(key, text)
             lk = key.lower()
             if lk == "content-length":
                 has_length = True
-            elif lk == "transfer-encoding" and "chunked" in text.lower():
-                chunked = True
+            elif lk == "transfer-encoding":
+                codings += 1
+                chunked = text.lower() == "chunked"
+        if codings and (codings > 1 or not chunked):
+            raise UpstreamProtocolError("a transfer coding other than one `chunked`")
         self._headers = []
+        self._head_room = -1
+        self._body_phase = True
+        self._trailer_room = self.pool.max_head_bytes
+        self._trailers = 0
         resp.status = status
         resp.reason = self._reason.decode("latin-1")
         resp.headers = CIMultiDictProxy(headers)
@@ -267,6 +363,12 @@ class Connection(asyncio.Protocol):
         resp.close_delimited = not (no_body or chunked or has_length)
         if resp.close_delimited:
             self.reusable = False
+        if self._body_pending:
+            # Answered before the request body was all sent: the rest is not sent (the
+            # upstream has decided), and what it did not read would be the next request's
+            # first bytes, so the connection is not reused.
+            self.reusable = False
+            self._wake_sender()
         head = self.head
         if head is not None and not head.done():
             head.set_result(resp)
@@ -276,15 +378,38 @@ class Connection(asyncio.Protocol):
             self.reusable = False
             resp._end()
 
+    def _interim_head(self, status: int, raw: list[tuple[bytes, bytes]]) -> None:
+        """An interim response (100 Continue, 103 Early Hints): the real one follows. A 1xx
+        has no content (RFC 9110 §15.2), but llhttp reads a body for 104-199 when one is
+        framed; a 1xx that frames one is refused rather than have its bytes taken for a
+        body (llhttp) or for the next response (h11): the two readings disagree."""
+        if status < 100:
+            raise UpstreamProtocolError(f"status code {status} is not in 100..599")
+        for name, value in raw:
+            lk = name.lower()
+            if lk == b"transfer-encoding" or (
+                lk == b"content-length" and value.strip(b" \t").lstrip(b"0")
+            ):
+                raise UpstreamProtocolError(f"an interim {status} response frames a body")
+        self._interim = True
+        self._headers.clear()
+        self._reason.clear()
+
     def on_body(self, body: bytes) -> None:
+        self._trailer_watch = False
         resp = self.response
         if resp is not None and not self._no_body:
             resp._feed(body)
 
+    def on_chunk_header(self) -> None:
+        self._trailer_watch = True
+
     def on_message_complete(self) -> None:
+        self._trailer_watch = False
         if self._interim:
             self._interim = False
             return
+        self._head_room = -1
         resp = self.response
         if resp is not None:
             resp._end()
@@ -302,32 +427,63 @@ class Connection(asyncio.Protocol):
         self._interim = False
         self._reason.clear()
         self._headers = []
+        self._head_room = self.pool.max_head_bytes
+        self._body_phase = False
+        self._trailer_watch = False
         self.last_read = time.monotonic()
         self._arm_timer()
         if len(body) <= WRITE_PIECE:
             self.transport.writelines((head, body)) if body else self.transport.write(head)
         else:
             self.transport.write(head)
+            self._body_pending = True
 
     async def send_rest(self, body: bytes) -> None:
-        """Write a large body in pieces, waiting for the socket to drain between them."""
+        """Write a large body in pieces, waiting for the socket to drain between them (at
+        most the send timeout each time). Stops when the response head (or a failure) comes
+        first: RFC 9112 §9.5 has a client stop sending a body the server answered without."""
         view = memoryview(body)
-        for start in range(0, len(body), WRITE_PIECE):
-            if self.closed:
-                raise ConnectionResetError("the upstream closed the connection mid-request")
-            if self._write_paused:
-                self._drained = asyncio.get_running_loop().create_future()
-                try:
-                    await self._drained
-                finally:
-                    self._drained = None
-            assert self.transport is not None
-            self.transport.write(view[start : start + WRITE_PIECE])
+        head = self.head
+        assert head is not None
+        try:
+            for start in range(0, len(body), WRITE_PIECE):
+                if self.closed:
+                    raise ConnectionResetError("the upstream closed the connection mid-request")
+                if self._write_paused:
+                    await self._wait_drained()
+                if head.done():
+                    self.reusable = False
+                    return
+                assert self.transport is not None
+                self.transport.write(view[start : start + WRITE_PIECE])
+        finally:
+            self._body_pending = False
+
+    async def _wait_drained(self) -> None:
+        timeout = self.pool.send_timeout_s
+        self._drained = drained = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                await drained
+        except TimeoutError:
+            raise TimeoutError(f"the upstream took no request bytes for {timeout:g} s") from None
+        finally:
+            self._drained = None
+
+    def _wake_sender(self) -> None:
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     def done_with(self, resp: UpstreamResponse) -> None:
         self.response = None
         self.head = None
-        if self.closed or not self.reusable:
+        transport = self.transport
+        if self.closed or not self.reusable or transport is None:
+            self.abort()
+            return
+        if transport.get_write_buffer_size():
+            # Request bytes the upstream never took: they would precede the next request.
             self.abort()
             return
         self.idle_since = time.monotonic()
@@ -359,6 +515,7 @@ class Connection(asyncio.Protocol):
         head = self.head
         if head is not None and not head.done():
             head.set_exception(exc)
+        self._wake_sender()
 
     def _protocol_error(self, why: str) -> None:
         err = UpstreamProtocolError(why)
