@@ -1,10 +1,17 @@
 """Which request and response headers cross the proxy: hop-by-hop headers (RFC 9110
 section 7.6.1), and those the Connection header names, stay on their own connection. Shared
-by the handler (request headers going up) and the relay (response headers coming back)."""
+by the handler (request headers going up) and the relay (response headers coming back).
+
+Also the request head's bounds (`request_head_error`) and what the upstream is told about
+the client's address (`set_forwarded_for`). Never logs or echoes a header's value.
+"""
 
 from __future__ import annotations
 
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from kvproxy import errors
+from kvproxy.errors import KvproxyError
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -39,3 +46,57 @@ def filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMulti
         if name in out:
             del out[name]
     return out
+
+
+def request_head_error(
+    raw_headers: tuple[tuple[bytes, bytes], ...], target: str, max_bytes: int, max_fields: int
+) -> KvproxyError | None:
+    """431 when the request head (its request line and field lines, as received) is over
+    `max_bytes` or has more than `max_fields` fields; None when it fits. aiohttp bounds each
+    line (8,190 bytes) and the count (128) by itself, not the total: 120 fields of 8 KB each
+    (939 KiB) passed."""
+    if len(raw_headers) > max_fields:
+        what = f"the request has {len(raw_headers):,} header fields"
+        return errors.request_head_too_large(what, max_fields, "max_request_headers")
+    # "METHOD target HTTP/1.1" CRLF, each field "name: value" CRLF, the blank line: the
+    # method is at most 7 bytes among those kvproxy forwards; 16 covers the rest.
+    size = len(target) + 16 + 4 * len(raw_headers)
+    for name, value in raw_headers:
+        size += len(name) + len(value)
+    if size > max_bytes:
+        what = f"the request head is {size:,} bytes"
+        return errors.request_head_too_large(what, max_bytes, "max_request_head_bytes")
+    return None
+
+
+# What a client could write to pass for another address or scheme, besides X-Forwarded-For.
+FORWARDING = ("Forwarded", "X-Real-IP", "X-Forwarded-Host", "X-Forwarded-Proto", "X-Forwarded-Port")
+
+
+def set_forwarded_for(
+    headers: CIMultiDict[str],
+    received: CIMultiDictProxy[str],
+    peer: str | None,
+    trusted_hops: int,
+) -> None:
+    """X-Forwarded-For for the upstream, in place: the last `trusted_hops` addresses of the
+    one received (those the proxies in front of kvproxy appended), then the peer's address
+    (Envoy's xff_num_trusted_hops and uvicorn's --forwarded-allow-ips have this shape).
+
+    With no trusted hop (the default) nothing the client wrote is believed: its
+    X-Forwarded-For is replaced by the peer's address and the other forwarding fields
+    (FORWARDING) are dropped, so an engine's or router's logs name the address kvproxy saw.
+    """
+    kept: list[str] = []
+    if trusted_hops:
+        for value in received.getall("X-Forwarded-For", ()):
+            kept += (a.strip() for a in value.split(","))
+        kept = [a for a in kept if a][-trusted_hops:]
+    else:
+        for name in FORWARDING:
+            headers.popall(name, None)
+    headers.popall("X-Forwarded-For", None)
+    if peer:
+        kept.append(peer)
+    if kept:
+        headers["X-Forwarded-For"] = ", ".join(kept)
