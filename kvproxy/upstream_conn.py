@@ -2,23 +2,10 @@
 is reading: llhttp's callbacks (httptools) turned into a head, a body read as it arrives
 with flow control, and the read timeout (one timer for the connection's life).
 
-What it accepts from an upstream is llhttp's strict reading plus the rules below, each
-where llhttp is laxer than h11 (the reference the differential suite holds it to,
-tests/upstream/test_upstream_h11.py) or than RFC 9110/9112:
-- a status code in 100..599 (RFC 9110 §15: llhttp reads `099` as 99);
-- a reason phrase of HTAB, SP, VCHAR and obs-text only (RFC 9112 §4; llhttp passes NUL);
-- at most one Transfer-Encoding field line, and then only `chunked` (RFC 9112 §6.1:
-  llhttp reads `gzip, chunked` as chunked and `chunked,` or `gzip` as close-delimited,
-  which would relay still-coded bytes past the tripwire; h11 refuses all of them);
-- an interim (1xx) response with neither Transfer-Encoding nor a non-zero Content-Length
-  (RFC 9110 §15.2: a 1xx has no content; llhttp reads a body for 104-199, which would
-  then reach the client in front of the real one);
-- header values that are UTF-8 (they are relayed through aiohttp, which writes str: other
-  bytes could not be relayed as sent);
-- a head (status line and header lines, interim heads included) of at most
-  `max_head_bytes`, counted as it is fed to the parser, never after, and at most
-  `max_headers` fields per head; a chunked body's trailer section bounded the same way.
-Anything else is an UpstreamProtocolError and the connection is dropped.
+What it accepts of a head is kvproxy.upstream_head's. The head (status line and field
+lines, interim heads included) is bounded by `max_head_bytes`, counted as bytes are fed to
+the parser (never more is fed before refusing), and `max_headers` fields per head; a
+chunked body's trailer section is bounded the same way.
 
 Raises into the reader (kvproxy.netio classifies them): ConnectionResetError (the upstream
 closed before the response ended), TimeoutError (no bytes for the read timeout, or the
@@ -40,6 +27,8 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvproxy.origin import Origin
+from kvproxy.upstream_head import UpstreamProtocolError as UpstreamProtocolError
+from kvproxy.upstream_head import check_interim, check_status, final_fields
 
 if TYPE_CHECKING:
     from kvproxy.upstream import UpstreamPool
@@ -49,13 +38,6 @@ READ_HIGH_WATER = 1 << 20
 # A request body above this goes out in pieces of this size, each once the socket drained.
 WRITE_PIECE = 256 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
-# Bytes a reason phrase may hold (RFC 9112 §4: HTAB / SP / VCHAR / obs-text), deleted to see
-# what is left.
-_REASON_BYTES = bytes([0x09, *range(0x20, 0x7F), *range(0x80, 0x100)])
-
-
-class UpstreamProtocolError(Exception):
-    """The upstream sent bytes that are not a readable HTTP/1.1 response."""
 
 
 class UpstreamConnectError(ConnectionError):
@@ -201,16 +183,14 @@ class Connection(asyncio.Protocol):
         self._reason = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
         self._no_body = False
-        # Bytes the response head may still take; -1 once the final head is read.
-        self._head_room = -1
+        self._head_room = -1  # bytes the head may still take; -1 once the final one is read
         self._body_phase = False  # the final head was read
-        # A chunk's size line was read and none of its data yet: if no data follows, what
-        # follows is the trailer section (the last chunk's), bounded by _trailer_room.
+        # A chunk's size line was read and none of its data yet: if no data follows, it is
+        # the trailer section (the last chunk's), bounded by _trailer_room.
         self._trailer_watch = False
         self._trailer_room = 0
         self._trailers = 0
-        # The request body is still being written (UpstreamPool.request's send_rest).
-        self._body_pending = False
+        self._body_pending = False  # the request body is still being written (send_rest)
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -320,36 +300,17 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        raw = self._headers
-        if self._reason.translate(None, _REASON_BYTES):
-            raise UpstreamProtocolError("a control character in the reason phrase")
+        check_status(status, self._reason)
         if status < 200:
-            self._interim_head(status, raw)
+            # An interim response (100 Continue, 103 Early Hints): the real one follows.
+            check_interim(status, self._headers)
+            self._interim = True
+            self._headers.clear()
+            self._reason.clear()
             return
-        if status > 599:
-            raise UpstreamProtocolError(f"status code {status} is not in 100..599")
+        headers, chunked, has_length = final_fields(self._headers)
         resp = self.response
         assert resp is not None
-        headers: CIMultiDict[str] = CIMultiDict()
-        chunked = has_length = False
-        codings = 0
-        for name, value in raw:
-            key = name.decode("latin-1")  # llhttp let only token characters through
-            try:
-                # llhttp strips a value's leading whitespace, not its trailing (RFC 9110
-                # §5.5: neither is part of the value).
-                text = value.rstrip(b" \t").decode("utf-8")
-            except UnicodeDecodeError:
-                raise UpstreamProtocolError(f"the value of {key} is not UTF-8") from None
-            headers.add(key, text)
-            lk = key.lower()
-            if lk == "content-length":
-                has_length = True
-            elif lk == "transfer-encoding":
-                codings += 1
-                chunked = text.lower() == "chunked"
-        if codings and (codings > 1 or not chunked):
-            raise UpstreamProtocolError("a transfer coding other than one `chunked`")
         self._headers = []
         self._head_room = -1
         self._body_phase = True
@@ -377,23 +338,6 @@ class Connection(asyncio.Protocol):
             # for it, so the response ends here and the connection is not reused.
             self.reusable = False
             resp._end()
-
-    def _interim_head(self, status: int, raw: list[tuple[bytes, bytes]]) -> None:
-        """An interim response (100 Continue, 103 Early Hints): the real one follows. A 1xx
-        has no content (RFC 9110 §15.2), but llhttp reads a body for 104-199 when one is
-        framed; a 1xx that frames one is refused rather than have its bytes taken for a
-        body (llhttp) or for the next response (h11): the two readings disagree."""
-        if status < 100:
-            raise UpstreamProtocolError(f"status code {status} is not in 100..599")
-        for name, value in raw:
-            lk = name.lower()
-            if lk == b"transfer-encoding" or (
-                lk == b"content-length" and value.strip(b" \t").lstrip(b"0")
-            ):
-                raise UpstreamProtocolError(f"an interim {status} response frames a body")
-        self._interim = True
-        self._headers.clear()
-        self._reason.clear()
 
     def on_body(self, body: bytes) -> None:
         self._trailer_watch = False
@@ -478,12 +422,9 @@ class Connection(asyncio.Protocol):
     def done_with(self, resp: UpstreamResponse) -> None:
         self.response = None
         self.head = None
-        transport = self.transport
-        if self.closed or not self.reusable or transport is None:
-            self.abort()
-            return
-        if transport.get_write_buffer_size():
-            # Request bytes the upstream never took: they would precede the next request.
+        # Request bytes the upstream never took (a write buffer left) would precede the next.
+        unsent = self.transport is None or self.transport.get_write_buffer_size()
+        if self.closed or not self.reusable or unsent:
             self.abort()
             return
         self.idle_since = time.monotonic()

@@ -15,7 +15,7 @@ the reference). Then:
 - kvproxy puts the connection back for reuse only when h11 read the whole response before
   the close, keeps the connection alive, and saw no byte after it.
 
-Where the two differ, the safer reading for a proxy was chosen (kvproxy/upstream_conn.py's
+Where the two differ, the safer reading for a proxy was chosen (kvproxy/upstream_head.py's
 docstring lists its own rules):
 
 STRICTER (kvproxy refuses, h11 accepts; kept, each is a way two parsers can disagree
