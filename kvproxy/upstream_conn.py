@@ -185,10 +185,11 @@ class Connection(asyncio.Protocol):
         self._no_body = False
         self._head_room = -1  # bytes the head may still take; -1 once the final one is read
         self._body_phase = False  # the final head was read
-        # A chunk's size line was read and none of its data yet: if no data follows, it is
-        # the trailer section (the last chunk's), bounded by _trailer_room.
-        self._trailer_watch = False
-        self._trailer_room = 0
+        self._max_headers = pool.max_headers
+        # Reads of the body that carried no body byte (chunk size lines, extensions, the
+        # trailer section), back to back: bounded like a head.
+        self._got_data = False
+        self._dataless = 0
         self._trailers = 0
         self._body_pending = False  # the request body is still being written (send_rest)
 
@@ -218,7 +219,19 @@ class Connection(asyncio.Protocol):
             self._protocol_error("bytes arrived with no request outstanding")
             return
         try:
-            self._feed(data)
+            room = self._head_room
+            if room < 0:  # the body: the hot path, as _feed_body without a call
+                self._got_data = False
+                self.parser.feed_data(data)
+                if not self._got_data:
+                    self._count_dataless(len(data))
+                elif self._dataless:
+                    self._dataless = 0
+            elif len(data) <= room:
+                self._head_room = room - len(data)
+                self.parser.feed_data(data)
+            else:
+                self._feed_past(data, room)
         except httptools.HttpParserUpgrade:
             self._protocol_error("the upstream switched protocols")
         except httptools.HttpParserError as exc:
@@ -241,38 +254,25 @@ class Connection(asyncio.Protocol):
 
     # --- feeding the parser, bounded ----------------------------------------------------
 
-    def _feed(self, data: bytes) -> None:
-        room = self._head_room
-        if room < 0:
-            if self._trailer_watch:
-                self._feed_after_chunk_size(data)
-            else:
-                self.parser.feed_data(data)  # the body: the hot path
-        elif len(data) <= room:
-            self._head_room = room - len(data)
-            self.parser.feed_data(data)
-        else:
-            # Only as much as the head may still take: a head past the bound is refused
-            # before llhttp (or httptools, which joins a header's pieces) holds more.
-            if room:
-                self.parser.feed_data(data[:room])
-            if self._head_room >= 0:
-                what = "trailers" if self._body_phase else "head"
-                raise UpstreamProtocolError(
-                    f"response {what} over {self.pool.max_head_bytes} bytes"
-                )
-            self._feed(data[room:])
+    def _feed_past(self, data: bytes, room: int) -> None:
+        # Only as much as the head may still take: a head past the bound is refused before
+        # llhttp (or httptools, which joins a field's pieces in memory) holds more.
+        if room:
+            self.parser.feed_data(data[:room])
+        if self._head_room >= 0:
+            raise UpstreamProtocolError(f"response head over {self.pool.max_head_bytes} bytes")
+        self._got_data = False
+        self.parser.feed_data(data[room:])
+        if not self._got_data:
+            self._count_dataless(len(data) - room)
 
-    def _feed_after_chunk_size(self, data: bytes) -> None:
-        # The read before ended with a chunk's size line. One byte tells what follows: a
-        # chunk's data clears the watch (on_body); anything else is the last chunk's
-        # trailer section, from here on counted like a head.
-        self.parser.feed_data(data[:1])
-        if self._trailer_watch:
-            self._trailer_watch = False
-            self._head_room = self._trailer_room - 1
-        if len(data) > 1:
-            self._feed(data[1:])
+    def _count_dataless(self, size: int) -> None:
+        # A trailer field's pieces are joined in memory too; an endless one, or an endless
+        # chunk extension, is cut once past the head's bound (one read past it at most).
+        self._dataless += size
+        resp = self.response
+        if self._dataless > self.pool.max_head_bytes and resp is not None and not resp._eof:
+            raise UpstreamProtocolError(f"response trailers over {self.pool.max_head_bytes} bytes")
 
     # --- llhttp callbacks ---------------------------------------------------------------
 
@@ -290,17 +290,17 @@ class Connection(asyncio.Protocol):
             # A trailer field (after the last chunk): read and dropped, as aiohttp does;
             # only counted.
             self._trailers += 1
-            if self._trailers > self.pool.max_headers:
-                raise UpstreamProtocolError(f"more than {self.pool.max_headers} trailer fields")
+            if self._trailers > self._max_headers:
+                raise UpstreamProtocolError(f"more than {self._max_headers} trailer fields")
             return
         headers = self._headers
         headers.append((name, value or b""))
-        if len(headers) > self.pool.max_headers:
-            raise UpstreamProtocolError(f"more than {self.pool.max_headers} header fields")
+        if len(headers) > self._max_headers:
+            raise UpstreamProtocolError(f"more than {self._max_headers} header fields")
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        check_status(status, self._reason)
+        reason = check_status(status, self._reason)
         if status < 200:
             # An interim response (100 Continue, 103 Early Hints): the real one follows.
             check_interim(status, self._headers)
@@ -314,10 +314,10 @@ class Connection(asyncio.Protocol):
         self._headers = []
         self._head_room = -1
         self._body_phase = True
-        self._trailer_room = self.pool.max_head_bytes
+        self._dataless = 0
         self._trailers = 0
         resp.status = status
-        resp.reason = self._reason.decode("latin-1")
+        resp.reason = reason
         resp.headers = CIMultiDictProxy(headers)
         resp.keep_alive = self.parser.should_keep_alive()
         no_body = self._no_body or status in _NO_BODY_STATUSES
@@ -340,20 +340,15 @@ class Connection(asyncio.Protocol):
             resp._end()
 
     def on_body(self, body: bytes) -> None:
-        self._trailer_watch = False
+        self._got_data = True
         resp = self.response
         if resp is not None and not self._no_body:
             resp._feed(body)
 
-    def on_chunk_header(self) -> None:
-        self._trailer_watch = True
-
     def on_message_complete(self) -> None:
-        self._trailer_watch = False
         if self._interim:
             self._interim = False
             return
-        self._head_room = -1
         resp = self.response
         if resp is not None:
             resp._end()
@@ -373,7 +368,6 @@ class Connection(asyncio.Protocol):
         self._headers = []
         self._head_room = self.pool.max_head_bytes
         self._body_phase = False
-        self._trailer_watch = False
         self.last_read = time.monotonic()
         self._arm_timer()
         if len(body) <= WRITE_PIECE:

@@ -23,22 +23,28 @@ Must never: touch a socket, or quote a field's value in an error (it is upstream
 
 from __future__ import annotations
 
+import re
+
 from multidict import CIMultiDict
 
-# Bytes a reason phrase may hold (RFC 9112 §4: HTAB / SP / VCHAR / obs-text), deleted to see
-# what is left.
-_REASON_BYTES = bytes([0x09, *range(0x20, 0x7F), *range(0x80, 0x100)])
+# What a reason phrase may not hold (RFC 9112 §4: HTAB / SP / VCHAR / obs-text only).
+_REASON_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class UpstreamProtocolError(Exception):
     """The upstream sent bytes that are not a readable HTTP/1.1 response."""
 
 
-def check_status(status: int, reason: bytes | bytearray) -> None:
+def check_status(status: int, reason: bytes | bytearray) -> str:
+    """The reason phrase as text, if the status line is one kvproxy relays."""
     if not 100 <= status <= 599:
         raise UpstreamProtocolError(f"status code {status} is not in 100..599")
-    if reason.translate(None, _REASON_BYTES):
+    text = reason.decode("latin-1")
+    # isprintable() is the fast yes for the usual phrases; it is also false for HTAB and
+    # obs-text, which are allowed: only then the exact rule.
+    if not text.isprintable() and _REASON_CTL.search(reason):
         raise UpstreamProtocolError("a control character in the reason phrase")
+    return text
 
 
 def check_interim(status: int, fields: list[tuple[bytes, bytes]]) -> None:
