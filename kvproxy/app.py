@@ -27,6 +27,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from kvproxy import errors
 from kvproxy.canary import CanaryRules
 from kvproxy.config import Settings
+from kvproxy.headers import MAX_FIELD_BYTES, MAX_LINE_BYTES
 from kvproxy.metrics import Metrics
 from kvproxy.models import build_table
 from kvproxy.proxy import SERVICES_KEY, STATE_KEY, handle
@@ -159,6 +160,9 @@ class KvproxyServer:
             # for counted and pass-through routes alike.
             auto_decompress=False,
             shutdown_timeout=FINAL_CLEANUP_S,
+            # aiohttp's defaults, pinned: kvproxy.headers' total bound relies on them.
+            max_field_size=MAX_FIELD_BYTES,
+            max_line_size=MAX_LINE_BYTES,
         )
         await self._public.setup()
         # aiohttp has no header-read timeout: wrap its protocol factory so a connection that

@@ -8,7 +8,7 @@ the client's address (`set_forwarded_for`). Never logs or echoes a header's valu
 
 from __future__ import annotations
 
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from kvproxy import errors
 from kvproxy.errors import KvproxyError
@@ -31,7 +31,8 @@ HOP_BY_HOP = frozenset(
 )
 
 
-_HOP_NAMES = tuple(sorted(HOP_BY_HOP))
+# istr: multidict compares them without folding case again (a few hundred ns a request).
+_HOP_NAMES = tuple(istr(name) for name in sorted(HOP_BY_HOP))
 
 
 def filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
@@ -48,6 +49,13 @@ def filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMulti
     return out
 
 
+# What aiohttp's parser lets through, per line (its defaults, passed to it explicitly by
+# kvproxy.app so that this bound and its own stay one number): a field's name and value
+# together, and the request line.
+MAX_FIELD_BYTES = 8190
+MAX_LINE_BYTES = 8190
+
+
 def request_head_error(
     raw_headers: tuple[tuple[bytes, bytes], ...], target: str, max_bytes: int, max_fields: int
 ) -> KvproxyError | None:
@@ -55,12 +63,15 @@ def request_head_error(
     `max_bytes` or has more than `max_fields` fields; None when it fits. aiohttp bounds each
     line (8,190 bytes) and the count (128) by itself, not the total: 120 fields of 8 KB each
     (939 KiB) passed."""
-    if len(raw_headers) > max_fields:
-        what = f"the request has {len(raw_headers):,} header fields"
+    count = len(raw_headers)
+    if count > max_fields:
+        what = f"the request has {count:,} header fields"
         return errors.request_head_too_large(what, max_fields, "max_request_headers")
     # "METHOD target HTTP/1.1" CRLF, each field "name: value" CRLF, the blank line: the
     # method is at most 7 bytes among those kvproxy forwards; 16 covers the rest.
-    size = len(target) + 16 + 4 * len(raw_headers)
+    size = len(target) + 16 + 4 * count
+    if size + count * MAX_FIELD_BYTES <= max_bytes:
+        return None  # a few fields cannot be too large: no need to add them up
     for name, value in raw_headers:
         size += len(name) + len(value)
     if size > max_bytes:
@@ -70,7 +81,17 @@ def request_head_error(
 
 
 # What a client could write to pass for another address or scheme, besides X-Forwarded-For.
-FORWARDING = ("Forwarded", "X-Real-IP", "X-Forwarded-Host", "X-Forwarded-Proto", "X-Forwarded-Port")
+FORWARDING = tuple(
+    istr(name)
+    for name in (
+        "Forwarded",
+        "X-Real-IP",
+        "X-Forwarded-Host",
+        "X-Forwarded-Proto",
+        "X-Forwarded-Port",
+    )
+)
+_XFF = istr("X-Forwarded-For")
 
 
 def set_forwarded_for(
@@ -89,14 +110,14 @@ def set_forwarded_for(
     """
     kept: list[str] = []
     if trusted_hops:
-        for value in received.getall("X-Forwarded-For", ()):
+        for value in received.getall(_XFF, ()):
             kept += (a.strip() for a in value.split(","))
         kept = [a for a in kept if a][-trusted_hops:]
     else:
         for name in FORWARDING:
             headers.popall(name, None)
-    headers.popall("X-Forwarded-For", None)
+    headers.popall(_XFF, None)
     if peer:
         kept.append(peer)
     if kept:
-        headers["X-Forwarded-For"] = ", ".join(kept)
+        headers[_XFF] = ", ".join(kept)

@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvproxy.headers import HOP_BY_HOP, filter_headers, request_head_error, set_forwarded_for
+from kvproxy.headers import (
+    HOP_BY_HOP,
+    MAX_FIELD_BYTES,
+    filter_headers,
+    request_head_error,
+    set_forwarded_for,
+)
 
 NAMES = ["Connection", "connection", "Keep-Alive", "TE", "Host", "Content-Length",
          "Transfer-Encoding", "X-Request-ID", "x-request-id", "Authorization", "X-Drop",
@@ -115,3 +121,21 @@ def test_the_peer_is_always_last_and_at_most_hops_addresses_come_before_it(
     assert len(chain) - 1 <= hops
     if hops:
         assert chain[:-1] == [a.strip() for a in addresses if a.strip()][-hops:]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(
+        st.tuples(st.integers(1, 64), st.integers(0, MAX_FIELD_BYTES - 70)), max_size=12
+    ),
+    limit=st.integers(1024, 120 * 1024),
+)
+def test_the_short_cut_for_few_fields_agrees_with_adding_them_up(
+    sizes: list[tuple[int, int]], limit: int
+) -> None:
+    # Fields as aiohttp lets them through (a line of at most MAX_FIELD_BYTES).
+    fields = tuple((b"n" * n, b"v" * v) for n, v in sizes)
+    target = "/v1/chat/completions"
+    plain = len(target) + 16 + sum(len(k) + len(v) + 4 for k, v in fields)
+    got = request_head_error(fields, target, limit, 100)
+    assert (got is not None) == (plain > limit)
