@@ -17,21 +17,26 @@ connection and its response are kvproxy.upstream_conn's. Its body is read with
 was read to its end and may be kept alive, `close()` aborts it (the relay's upstream
 cancellation).
 
-Timeouts, as aiohttp's sock_connect / sock_read were configured: connecting, and the gap
-between two reads of a response while the client keeps up (from the request's send on: a
-long prefill sends nothing for minutes). One timer per connection for its whole life,
-moved only when it fires, so neither a request nor a streamed chunk costs timer work. An
-idle connection is not reused after `keepalive_s` and is closed by a sweep soon after.
+Timeouts: connecting (`connect_timeout_s`); the gap between two reads of a response while
+the client keeps up, the head's wait included (`read_timeout_s`, from the request's send
+on: a long prefill sends nothing for minutes); and, while a large body goes out, the gap
+the upstream may take no request bytes (`send_timeout_s`). The read timer is one per
+connection for its whole life, moved only when it fires, so neither a request nor a
+streamed chunk costs timer work. An idle connection is not reused after `keepalive_s` and
+is closed by a sweep soon after. Bounds: `max_head_bytes` and `max_headers` per response
+head (kvproxy.upstream_conn counts them as bytes arrive; kvproxy.upstream_head is what a
+head may hold).
 
 Raises (kvproxy.netio classifies them): UpstreamConnectError (refused, unreachable, DNS),
 ConnectionResetError (the upstream closed before the response ended), TimeoutError,
-UpstreamProtocolError (bytes llhttp cannot read as a response, or bytes with no request
-outstanding).
+UpstreamProtocolError (bytes llhttp cannot read as a response, a head it may not relay or
+past its bounds, or bytes with no request outstanding).
 
 Must never: send a request on a connection with a response still unread, reuse one after
-a response it could not read to the end (HEAD, close-delimited, failed, aborted), send a
-header value holding CR, LF or NUL, or hold more than READ_HIGH_WATER unread body bytes
-(reading the socket pauses until the relay catches up).
+a response it could not read to the end (HEAD, close-delimited, failed, aborted) or one
+that came before the request body was all sent, send a header value holding CR, LF or NUL,
+or hold more than READ_HIGH_WATER unread body bytes (reading the socket pauses until the
+relay catches up).
 """
 
 from __future__ import annotations
