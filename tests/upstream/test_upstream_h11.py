@@ -53,6 +53,7 @@ import asyncio
 import itertools
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +66,7 @@ from upstream_doubles import Outcome, Wire, make_pool
 # Seeded in `make test` (derandomize) and bounded; KVPROXY_H11_EXAMPLES=N explores more.
 EXAMPLES = int(os.environ.get("KVPROXY_H11_EXAMPLES", "0"))
 PROFILE = settings(
-    max_examples=EXAMPLES or 1500,
+    max_examples=EXAMPLES or 1000,
     derandomize=not EXAMPLES,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -142,6 +143,17 @@ class KvReading:
     reused: bool
 
 
+_RUNNER: list[asyncio.Runner] = []  # one event loop for every example (kvproxy_loop)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kvproxy_loop() -> Iterator[None]:
+    with asyncio.Runner() as runner:
+        _RUNNER.append(runner)
+        yield
+        _RUNNER.clear()
+
+
 def kvproxy_reading(stream: bytes, method: str, cuts: list[int]) -> KvReading:
     async def run() -> KvReading:
         pool = make_pool()
@@ -159,7 +171,7 @@ def kvproxy_reading(stream: bytes, method: str, cuts: list[int]) -> KvReading:
         await pool.close()
         return KvReading(outcome, before_close, reused)
 
-    return asyncio.run(run())
+    return _RUNNER[0].run(run()) if _RUNNER else asyncio.run(run())
 
 
 # --- how the two may differ -----------------------------------------------------------------
@@ -349,7 +361,16 @@ NAMES = st.sampled_from(
 )
 VALUES = mostly(
     [b"text/plain", b"application/json", b"1", b"keep-alive", b"close", b"a  ", b"\ta", b""],
-    [b"keep-alive, close", b"\xc3\xa9", b"\xff", b"a\x01b", b"a\x7f", b"v=1; w"],
+    [
+        b"keep-alive, close",
+        b"\xc3\xa9",
+        b"\xff",
+        b"a\x01b",
+        b"a\x7f",
+        b"v=1; w",
+        b"a\x00b",
+        b"a\rb",
+    ],
     3,
 )
 LENGTH_FORMS = mostly(
@@ -432,12 +453,18 @@ def response_stream(draw: st.DrawFn) -> tuple[bytes, str]:
     for _ in range(draw(mostly([0], [1, 1, 2], 6))):
         interim = [draw(VERSIONS) + b" " + draw(INTERIMS) + b" " + draw(REASONS)]
         interim += draw(field_lines())
+        framed = b""
         if draw(sometimes(6)):
-            interim += length_lines(draw(LENGTH_FORMS), draw(st.integers(0, 5)))
+            n = draw(st.integers(0, 5))
+            interim += length_lines(draw(LENGTH_FORMS), n)
+            if draw(st.booleans()):
+                framed = b"i" * n  # a body for it (llhttp reads one for 104-199)
         if draw(sometimes(12)):
             interim.append(b"Transfer-Encoding: chunked")
+            if draw(st.booleans()):
+                framed = b"1\r\ni\r\n0\r\n\r\n"
         eol = draw(CRLF)
-        out += b"".join(line + eol for line in interim) + b"\r\n"
+        out += b"".join(line + eol for line in interim) + b"\r\n" + framed
         if draw(sometimes(12)):
             out += b"\r\n"  # an empty line before the next status line
     fields = draw(field_lines())
