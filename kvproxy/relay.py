@@ -7,7 +7,9 @@ What the response bytes mean (the canary tripwire, first-output detection, `usag
 may be forwarded and what must be withheld) is decided by `inspector.ResponseInspector`
 (sans-IO); this module forwards what it allows and counts and logs what it reports.
 Every error body it builds has the request's `style` (the route's, `errors.error_style`).
-It never logs or stores response text (I8).
+A response it cannot complete once started is never completed: an event stream ends with
+the error event, any other body with the client's connection reset (DESIGN.md, "Nothing
+lost means nothing faked"). It never logs or stores response text (I8).
 
 Why the two read paths: racing every read against the disconnect watcher costs a task per
 chunk. Once a token has reached a present client the transfer is over, and a disconnect is
