@@ -130,10 +130,10 @@ class Settings(BaseSettings):
     # refuses a line over 8,190 bytes or more than 128 fields by itself (400).
     max_request_head_bytes: int = Field(default=60 * 1024, ge=1024)
     max_request_headers: int = Field(default=100, ge=1, le=128)
-    # X-Forwarded-For: how many proxies in front of kvproxy append to it and are trusted to
-    # (0: the client's own X-Forwarded-For, Forwarded and X-Real-IP are dropped and the
-    # peer's address is sent). README "Headers".
-    forwarded_trusted_hops: int = Field(default=0, ge=0, le=16)
+    # X-Forwarded-For gets the peer's address appended. Set, the number of proxies in front
+    # of kvproxy that append to it: only their addresses are kept (0: only the peer's, and
+    # the client's Forwarded / X-Real-IP / X-Forwarded-* are dropped). README "Headers".
+    forwarded_trusted_hops: int | None = Field(default=None, ge=0, le=16)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     # Worst time between two upstream reads: a 1M-token prefill can take minutes before the
     # first byte; the router sends nothing meanwhile.

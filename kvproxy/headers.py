@@ -98,16 +98,28 @@ def set_forwarded_for(
     headers: CIMultiDict[str],
     received: CIMultiDictProxy[str],
     peer: str | None,
-    trusted_hops: int,
+    trusted_hops: int | None,
 ) -> None:
-    """X-Forwarded-For for the upstream, in place: the last `trusted_hops` addresses of the
-    one received (those the proxies in front of kvproxy appended), then the peer's address
-    (Envoy's xff_num_trusted_hops and uvicorn's --forwarded-allow-ips have this shape).
+    """X-Forwarded-For for the upstream, in place: the peer's address appended to the one
+    received (nginx's $proxy_add_x_forwarded_for, Envoy's use_remote_address). It is read
+    from the right: the last address is the one kvproxy saw, each before it was written by
+    the hop before; the first ones are whatever the client wrote.
 
-    With no trusted hop (the default) nothing the client wrote is believed: its
-    X-Forwarded-For is replaced by the peer's address and the other forwarding fields
-    (FORWARDING) are dropped, so an engine's or router's logs name the address kvproxy saw.
-    """
+    `trusted_hops` (Envoy's xff_num_trusted_hops): how many proxies in front of kvproxy
+    append to it. Only the addresses they appended (the last `trusted_hops` received) are
+    kept; what came before them, which no proxy vouches for, is dropped. 0: only the peer's
+    address, and the other forwarding fields (FORWARDING) are dropped too. None: everything
+    received is kept (append only)."""
+    if trusted_hops is None:
+        chain = received.getall(_XFF, None)
+        if chain is None:
+            if peer:
+                headers[_XFF] = peer
+            return
+        if peer:
+            chain.append(peer)
+        headers[_XFF] = ", ".join(chain)  # one line: the list the received lines made
+        return
     kept: list[str] = []
     if trusted_hops:
         for value in received.getall(_XFF, ()):

@@ -73,11 +73,26 @@ def test_the_byte_bound_counts_the_request_line_and_every_line_ending() -> None:
 # --- X-Forwarded-For (#31.5) ----------------------------------------------------------------
 
 
-def forwarded(received: list[tuple[str, str]], peer: str | None, hops: int) -> CIMultiDict[str]:
+def forwarded(
+    received: list[tuple[str, str]], peer: str | None, hops: int | None
+) -> CIMultiDict[str]:
     incoming = CIMultiDictProxy(CIMultiDict(received))
     out = filter_headers(incoming)
     set_forwarded_for(out, incoming, peer, hops)
     return out
+
+
+def test_by_default_the_peer_is_appended_to_what_was_received() -> None:
+    received = [
+        ("X-Forwarded-For", "1.2.3.4"),
+        ("x-forwarded-for", "5.6.7.8, 9.9.9.9"),
+        ("X-Real-IP", "1.2.3.4"),
+    ]
+    out = forwarded(received, "10.0.0.7", None)
+    assert out.getall("X-Forwarded-For") == ["1.2.3.4, 5.6.7.8, 9.9.9.9, 10.0.0.7"]
+    assert out["X-Real-IP"] == "1.2.3.4"
+    assert forwarded([], "::1", None)["X-Forwarded-For"] == "::1"
+    assert "X-Forwarded-For" not in forwarded([], None, None)  # the client is already gone
 
 
 def test_with_no_trusted_hop_the_client_cannot_name_its_address() -> None:
@@ -110,17 +125,19 @@ def test_trusted_hops_keep_what_the_proxies_in_front_appended() -> None:
 @settings(max_examples=300, deadline=None)
 @given(
     addresses=st.lists(st.sampled_from(["1.1.1.1", "2.2.2.2", " 3.3.3.3 ", "", "::1"]), max_size=6),
-    hops=st.integers(0, 4),
+    hops=st.none() | st.integers(0, 4),
 )
 def test_the_peer_is_always_last_and_at_most_hops_addresses_come_before_it(
-    addresses: list[str], hops: int
+    addresses: list[str], hops: int | None
 ) -> None:
     out = forwarded([("X-Forwarded-For", ",".join(addresses))], "10.0.0.1", hops)
-    chain = out["X-Forwarded-For"].split(", ")
+    chain = [a.strip() for a in out["X-Forwarded-For"].split(",")]
     assert chain[-1] == "10.0.0.1"
-    assert len(chain) - 1 <= hops
-    if hops:
-        assert chain[:-1] == [a.strip() for a in addresses if a.strip()][-hops:]
+    received = [a.strip() for a in ",".join(addresses).split(",")]
+    if hops is None:
+        assert out["X-Forwarded-For"] == ", ".join([",".join(addresses), "10.0.0.1"])
+    else:
+        assert chain[:-1] == ([a for a in received if a][-hops:] if hops else [])
 
 
 @settings(max_examples=300, deadline=None)

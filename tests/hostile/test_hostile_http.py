@@ -485,9 +485,12 @@ SPOOFED = (
 )
 
 
-@pytest.mark.parametrize(("hops", "sent_for"), [(0, "127.0.0.1"), (1, "1.2.3.4, 127.0.0.1")])
+@pytest.mark.parametrize(
+    ("hops", "sent_for"),
+    [(None, "6.6.6.6, 1.2.3.4, 127.0.0.1"), (0, "127.0.0.1"), (1, "1.2.3.4, 127.0.0.1")],
+)
 async def test_x_forwarded_for_names_the_peer_after_the_trusted_hops(
-    upstream: FakeUpstream, hops: int, sent_for: str
+    upstream: FakeUpstream, hops: int | None, sent_for: str
 ) -> None:
     _ok_upstream(upstream)
     await upstream.start()
