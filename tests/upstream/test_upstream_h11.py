@@ -184,8 +184,7 @@ _STRICT_CHUNK = re.compile(
     rb"[0-9A-Fa-f]+(?:;" + _TOKEN + rb"(?:=(?:" + _TOKEN + rb"|" + _QUOTED + rb"))?)*\r\n"
 )
 _H11_CHUNK = re.compile(rb"([0-9A-Fa-f]+)(;[^\r\n]*)?[ \t]*\r?\n")
-_CTL = re.compile(rb"[\x01-\x08\x0a-\x1f\x7f]")
-_REASON_CTL = re.compile(rb"[\x01-\x08\x0a-\x1f\x7f]")
+_CTL = re.compile(rb"[\x01-\x08\x0a-\x1f\x7f]")  # NUL too, but h11 refuses that itself
 LLHTTP_VERSIONS = (b"0.9", b"1.0", b"1.1", b"2.0")
 
 
@@ -233,7 +232,7 @@ def _head_reasons(block: bytes, *, final: bool) -> set[str]:
     if version[5:] not in LLHTTP_VERSIONS:
         out.add("version")
     code, _, reason = rest.partition(b" ")
-    if _REASON_CTL.search(reason):
+    if _CTL.search(reason):
         out.add("reason_ctl")
     if code.isdigit() and int(code) > 599:
         out.add("status_range")
