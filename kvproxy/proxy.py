@@ -1,8 +1,9 @@
 """The public handler: read the body, decide admission, forward, relay.
 
 Order matters and each step fails closed:
-  0. routes fail closed (kvproxy.routes): a path that is neither counted nor pass-through is a
-     404 and is never forwarded;
+  0. a request head past its bounds is a 431 (kvproxy.headers); routes fail closed
+     (kvproxy.routes): a path that is neither counted nor pass-through is a 404 and is never
+     forwarded;
   1. refuse while stopping, refuse oversize bodies on Content-Length (413) before reading;
   2. read the body under a deadline (slowloris: 408); on counted routes undo its
      Content-Encoding (kvproxy.body: 400 undecodable, 415 unsupported, 413 past the limit);
@@ -27,7 +28,7 @@ from kvproxy.body import content_coding, decode, forwarded_headers, read_arrived
 from kvproxy.budget import charge_tokens
 from kvproxy.clamp import clamp_output
 from kvproxy.errors import ErrorStyle, KvproxyError
-from kvproxy.headers import filter_headers
+from kvproxy.headers import filter_headers, request_head_error, set_forwarded_for
 from kvproxy.logs import ACCESS_LOGGER, AccessRecord
 from kvproxy.models import ModelServices
 from kvproxy.prompt import PromptShape, Route, parse_request
@@ -111,6 +112,14 @@ async def _handle(
         )
         return _reject(services, rec, err, style)
 
+    head_error = request_head_error(
+        request.raw_headers, request.raw_path, s.max_request_head_bytes, s.max_request_headers
+    )
+    if head_error is not None:
+        # aiohttp bounds each line and the count, not the total (kvproxy.headers): 431 before
+        # anything else, never forwarded.
+        return _reject(services, rec, head_error, style)
+
     if match.kind == "refused":
         # Before the body is read: nothing of it is needed, and nothing is sent (I7).
         return _reject(services, rec, errors.route_not_found(match.why), style)
@@ -141,6 +150,7 @@ async def _handle(
     extra = {"X-Request-ID": rec.request_id}
     headers = filter_headers(request.headers)
     headers["X-Request-ID"] = rec.request_id
+    set_forwarded_for(headers, request.headers, request.remote, s.forwarded_trusted_hops)
     for name in services.tenants.headers_to_strip():
         headers.popall(name, None)
 

@@ -17,21 +17,26 @@ connection and its response are kvproxy.upstream_conn's. Its body is read with
 was read to its end and may be kept alive, `close()` aborts it (the relay's upstream
 cancellation).
 
-Timeouts, as aiohttp's sock_connect / sock_read were configured: connecting, and the gap
-between two reads of a response while the client keeps up (from the request's send on: a
-long prefill sends nothing for minutes). One timer per connection for its whole life,
-moved only when it fires, so neither a request nor a streamed chunk costs timer work. An
-idle connection is not reused after `keepalive_s` and is closed by a sweep soon after.
+Timeouts: connecting (`connect_timeout_s`); the gap between two reads of a response while
+the client keeps up, the head's wait included (`read_timeout_s`, from the request's send
+on: a long prefill sends nothing for minutes); and, while a large body goes out, the gap
+the upstream may take no request bytes (`send_timeout_s`). The read timer is one per
+connection for its whole life, moved only when it fires, so neither a request nor a
+streamed chunk costs timer work. An idle connection is not reused after `keepalive_s` and
+is closed by a sweep soon after. Bounds: `max_head_bytes` and `max_headers` per response
+head (kvproxy.upstream_conn counts them as bytes arrive; kvproxy.upstream_head is what a
+head may hold).
 
 Raises (kvproxy.netio classifies them): UpstreamConnectError (refused, unreachable, DNS),
 ConnectionResetError (the upstream closed before the response ended), TimeoutError,
-UpstreamProtocolError (bytes llhttp cannot read as a response, or bytes with no request
-outstanding).
+UpstreamProtocolError (bytes llhttp cannot read as a response, a head it may not relay or
+past its bounds, or bytes with no request outstanding).
 
 Must never: send a request on a connection with a response still unread, reuse one after
-a response it could not read to the end (HEAD, close-delimited, failed, aborted), send a
-header value holding CR, LF or NUL, or hold more than READ_HIGH_WATER unread body bytes
-(reading the socket pauses until the relay catches up).
+a response it could not read to the end (HEAD, close-delimited, failed, aborted) or one
+that came before the request body was all sent, send a header value holding CR, LF or NUL,
+or hold more than READ_HIGH_WATER unread body bytes (reading the socket pauses until the
+relay catches up).
 """
 
 from __future__ import annotations
@@ -51,6 +56,14 @@ from kvproxy.upstream_conn import UpstreamConnectError as UpstreamConnectError
 from kvproxy.upstream_conn import UpstreamProtocolError as UpstreamProtocolError
 from kvproxy.upstream_conn import UpstreamResponse as UpstreamResponse
 
+# Envoy's defaults for a response head: 60 KiB (max_response_headers_kb) and 100 fields
+# (max_headers_count). nginx's proxy_buffer_size (one 4-8 KiB page) is tighter; a router's
+# head is well under 1 KiB, so the larger bound refuses nothing real.
+DEFAULT_MAX_HEAD_BYTES = 60 * 1024
+DEFAULT_MAX_HEADERS = 100
+# nginx's proxy_send_timeout: the longest the upstream may take no request bytes.
+DEFAULT_SEND_TIMEOUT_S = 60.0
+
 
 class UpstreamPool:
     """Connections to every upstream origin of this process. One per server."""
@@ -62,11 +75,17 @@ class UpstreamPool:
         keepalive_s: float,
         connect_timeout_s: float,
         read_timeout_s: float,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+        max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+        max_headers: int = DEFAULT_MAX_HEADERS,
     ) -> None:
         self.limit = limit
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
         self._origins: dict[str, Origin] = {}
         self._idle: dict[Origin, list[Connection]] = {}
         self._open: set[Connection] = set()
@@ -126,6 +145,8 @@ class UpstreamPool:
             assert conn.head is not None
             return await conn.head
         except BaseException:
+            if conn.head is not None and not conn.head.done():
+                conn.head.cancel()  # nobody will read it: no "exception never retrieved"
             conn.abort()
             raise
 

@@ -29,6 +29,7 @@ SANS_IO = (
     "kvproxy.sse",
     "kvproxy.usage",
     "kvproxy.origin",
+    "kvproxy.upstream_head",
 )
 
 _PROBE = """
