@@ -98,13 +98,30 @@ def test_imports_run_down_the_layers_through_faces_without_private_names() -> No
         here, there = top(importer), top(module)
         if here == there or there == "kvproxy" or here in ("kvproxy", "kvproxy.__main__"):
             continue
-        if layers[there] >= layers[here]:
+        if layers[there] > layers[here]:
             wrong.append(f"{importer} -> {module} (layer {layers[here]} -> {layers[there]})")
         if module != there:
             wrong.append(f"{importer} imports {module}: not {there}'s face")
         if name.startswith("_") or any(p.startswith("_") for p in module.split(".")):
             wrong.append(f"{importer} takes the private {module}.{name}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_circle_between_packages() -> None:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for importer, module, _ in imports():
+        here, there = top(importer), top(module)
+        if here != there and there != "kvproxy" and here not in ("kvproxy", "kvproxy.__main__"):
+            edges[here].add(there)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(
+            t == goal or (t not in seen and reaches(t, goal, seen | {t}))
+            for t in edges.get(start, ())
+        )
+
+    circles = sorted(p for p in edges if reaches(p, p, {p}))
+    assert not circles, f"packages in an import circle: {circles}"
 
 
 def test_no_import_circles() -> None:

@@ -29,6 +29,7 @@ SANS_IO = (
     "kvproxy.response.sse",
     "kvproxy.response.usage",
     "kvproxy.policy.origin",
+    "kvproxy.response.head",
 )
 
 _PROBE = """

@@ -84,6 +84,15 @@ class Settings(ModelFields, BaseSettings):
     body_read_timeout_s: float = Field(default=60.0, gt=0)
     # ...and its first request's headers within this time of connecting.
     header_read_timeout_s: float = Field(default=30.0, gt=0)
+    # A request head (request line and header lines) past either bound gets 431 and is never
+    # forwarded. Envoy's defaults (max_request_headers_kb 60, max_headers_count 100); aiohttp
+    # refuses a line over 8,190 bytes or more than 128 fields by itself (400).
+    max_request_head_bytes: int = Field(default=60 * 1024, ge=1024)
+    max_request_headers: int = Field(default=100, ge=1, le=128)
+    # X-Forwarded-For gets the peer's address appended. Set, the number of proxies in front
+    # of kvproxy that append to it: only their addresses are kept (0: only the peer's, and
+    # the client's Forwarded / X-Real-IP / X-Forwarded-* are dropped). README "Headers".
+    forwarded_trusted_hops: int | None = Field(default=None, ge=0, le=16)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     # Worst time between two upstream reads: a 1M-token prefill can take minutes before the
     # first byte; the router sends nothing meanwhile.
@@ -92,6 +101,12 @@ class Settings(ModelFields, BaseSettings):
     # is closing (aiohttp does not retry a POST that hit ServerDisconnectedError).
     upstream_keepalive_s: float = Field(default=15.0, gt=0)
     upstream_max_connections: int = Field(default=1024, ge=1)
+    # The longest the router may take no request-body bytes (nginx's proxy_send_timeout).
+    upstream_send_timeout_s: float = Field(default=60.0, gt=0)
+    # An upstream response head (status line, header lines, interim heads) past either bound
+    # is a 502. Envoy's defaults (60 KiB, 100 fields); a router's head is under 1 KiB.
+    upstream_max_head_bytes: int = Field(default=60 * 1024, ge=1024)
+    upstream_max_headers: int = Field(default=100, ge=1)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
     # --- capacity (the engines and declared context: ModelFields) -------------------------

@@ -13,6 +13,8 @@ Tree of what a request can end in, besides a relayed upstream response:
     │   ├── decode_budget_exceeded    400   context_length_exceeded     decode_budget
     │   ├── invalid_request           400   invalid_request             invalid_request
     │   ├── body_too_large            413   request_too_large           body_too_large
+    │   ├── request_head_too_large    431   request_header_fields_too_large request_head
+    │   ├── malformed_request         400   malformed_request           (not counted)
     │   ├── unsupported_content_encoding 415 unsupported_content_encoding content_encoding
     │   ├── body_read_timeout         408   request_timeout             body_read_timeout
     │   ├── capacity_unknown          503   capacity_unknown            capacity_unknown
@@ -189,6 +191,23 @@ def body_too_large(size: int | None, limit: int) -> KvproxyError:
         code="request_too_large",
         reason="body_too_large",
         message=f"{got}; the limit is {limit:,} bytes (KVPROXY_MAX_BODY_BYTES)",
+    )
+
+
+def malformed_request(what: str) -> KvproxyError:
+    # The parser's refusal (kvproxy.serve.app): `what` never quotes the request's bytes.
+    return KvproxyError(
+        status=400, code="malformed_request", reason="malformed_request", message=what
+    )
+
+
+def request_head_too_large(what: str, limit: int, setting: str) -> KvproxyError:
+    # `what` is a size or a count, never a header's name or value (client input).
+    return KvproxyError(
+        status=431,
+        code="request_header_fields_too_large",
+        reason="request_head",
+        message=f"{what}; the limit is {limit:,} (KVPROXY_{setting.upper()})",
     )
 
 

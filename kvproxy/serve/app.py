@@ -19,14 +19,19 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvproxy.config import Settings
 from kvproxy.observe import Metrics
-from kvproxy.policy import TenantResolver
+from kvproxy.policy import TenantResolver, errors
 from kvproxy.response import CanaryRules
 from kvproxy.serve.handler import SERVICES_KEY, STATE_KEY, handle
+from kvproxy.serve.headers import MAX_FIELD_BYTES, MAX_LINE_BYTES
 from kvproxy.serve.models import build_table
+from kvproxy.serve.replies import error_response
 from kvproxy.serve.state import ServerState, Services
 from kvproxy.serve.watch import DisconnectWatcher, LoopLagMonitor, release_heap, settle_heap
 from kvproxy.tokens import TokenCounter
@@ -114,6 +119,9 @@ class KvproxyServer:
                 keepalive_s=s.upstream_keepalive_s,
                 connect_timeout_s=s.upstream_connect_timeout_s,
                 read_timeout_s=s.upstream_read_timeout_s,
+                send_timeout_s=s.upstream_send_timeout_s,
+                max_head_bytes=s.upstream_max_head_bytes,
+                max_headers=s.upstream_max_headers,
             ),
             watcher=DisconnectWatcher(),
             lag=LoopLagMonitor(self.metrics),
@@ -152,6 +160,9 @@ class KvproxyServer:
             # for counted and pass-through routes alike.
             auto_decompress=False,
             shutdown_timeout=FINAL_CLEANUP_S,
+            # aiohttp's defaults, pinned: kvproxy.serve.headers' total bound relies on them.
+            max_field_size=MAX_FIELD_BYTES,
+            max_line_size=MAX_LINE_BYTES,
         )
         await self._public.setup()
         # aiohttp has no header-read timeout: wrap its protocol factory so a connection that
@@ -256,9 +267,42 @@ class KvproxyServer:
         release_heap()
 
 
+class _PublicHandler(RequestHandler):
+    """aiohttp's protocol, with the requests its parser refuses (a line over 8,190 bytes,
+    more than 128 fields, a malformed request line or field) answered as kvproxy answers
+    bad input: a JSON error naming the problem, with aiohttp's status (400). aiohttp's own
+    answer was plain text quoting the offending line, and its log line carried the same
+    bytes (an Authorization header among them): here only the exception's type is logged."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status != 400 or not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        log.debug("unreadable request head (%s)", type(exc).__name__)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was started: no error response can follow")
+        if isinstance(exc, LineTooLong):
+            what = f"a request line or header field is over {self.max_field_size:,} bytes"
+        elif "Too many headers" in str(exc):
+            what = f"the request has more than {self.max_headers} header fields"
+        else:
+            what = f"the request head is not valid HTTP/1.1 ({type(exc).__name__})"
+        resp = error_response(errors.malformed_request(what), None, "openai")
+        resp.force_close()
+        return resp
+
+
 class _HeaderDeadline:
-    """Protocol factory around aiohttp's: closes a connection whose first request head has
-    not been parsed `timeout_s` after it was accepted. Everything else is delegated."""
+    """Protocol factory around aiohttp's: makes each connection's protocol a _PublicHandler,
+    and closes a connection whose first request head has not been parsed `timeout_s` after
+    it was accepted. Everything else is delegated."""
 
     def __init__(self, server: web.Server | None, timeout_s: float) -> None:
         assert server is not None
@@ -266,7 +310,9 @@ class _HeaderDeadline:
         self._timeout_s = timeout_s
 
     def __call__(self) -> Any:
-        handler = self._server()
+        server = self._server
+        # What web.Server.__call__ builds, as the subclass (aiohttp 3.10-3.14: _loop, _kwargs).
+        handler = _PublicHandler(server, loop=server._loop, **server._kwargs)
         asyncio.get_running_loop().call_later(self._timeout_s, _cut_if_headless, handler)
         return handler
 

@@ -4,8 +4,8 @@
       builds a RequestContext (kvproxy.serve.context): route, request id, tenant
       runs the stages in order; each reads and fills the context and returns a refusal
       (a `KvproxyError`), ABANDONED (the client left before anything was sent) or None:
-        every request     refuse_when_stopping, refuse_route, refuse_oversize, read_body,
-                          upstream_headers
+        every request     refuse_when_stopping, refuse_oversize_head, refuse_route,
+                          refuse_oversize, read_body, upstream_headers
         counted routes    require_post, decode_body, pick_model, admit, take_budget,
                           recheck_after_queue, clamp
       forwards the bytes as read (decoded if they were; no re-serialisation) through the
@@ -13,11 +13,12 @@
     One way out for a refusal (`_refuse`), one `finally` that gives the in-flight budget
     back once the upstream is closed (I6) and writes the access line (a view of the context).
 
-Each stage fails closed: routes that are neither counted nor pass-through are a 404 and
-never forwarded (kvproxy.policy.routes); capacity unknown is a 503 before any parsing (I3);
-only a guaranteed bound or an exact count admits (I1, I4). A refused request sends nothing
-upstream (I7). Nothing here logs request or response text (I8): the access line carries
-sizes, ids and labels.
+Each stage fails closed: a request head past its bounds is a 431 (kvproxy.serve.headers:
+aiohttp bounds each line and the count, not the total); routes that are neither counted nor
+pass-through are a 404 and never forwarded (kvproxy.policy.routes); capacity unknown is a
+503 before any parsing (I3); only a guaranteed bound or an exact count admits (I1, I4). A
+refused request sends nothing upstream (I7). Nothing here logs request or response text
+(I8): the access line carries sizes, ids and labels.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from kvproxy.prompt import parse_request
 from kvproxy.response import CanaryScanner
 from kvproxy.serve.body import content_coding, decode, forwarded_headers, read_arrived, read_raw
 from kvproxy.serve.context import RequestContext
-from kvproxy.serve.headers import filter_headers
+from kvproxy.serve.headers import filter_headers, request_head_error, set_forwarded_for
 from kvproxy.serve.relay import Exchange
 from kvproxy.serve.replies import client_gone, client_gone_response, error_response
 from kvproxy.serve.state import ServerState, Services
@@ -164,6 +165,13 @@ async def refuse_when_stopping(ctx: RequestContext) -> Stop | None:
     return errors.shutting_down() if ctx.state.stopping else None
 
 
+async def refuse_oversize_head(ctx: RequestContext) -> Stop | None:
+    s, request = ctx.services.settings, ctx.request
+    return request_head_error(
+        request.raw_headers, request.raw_path, s.max_request_head_bytes, s.max_request_headers
+    )
+
+
 async def refuse_route(ctx: RequestContext) -> Stop | None:
     # Before the body is read: nothing of it is needed, and nothing is sent (I7).
     return errors.route_not_found(ctx.match.why) if ctx.match.kind == "refused" else None
@@ -198,8 +206,12 @@ async def read_body(ctx: RequestContext) -> Stop | None:
 
 
 async def upstream_headers(ctx: RequestContext) -> Stop | None:
-    headers = filter_headers(ctx.request.headers)
+    request = ctx.request
+    headers = filter_headers(request.headers)
     headers["X-Request-ID"] = ctx.request_id
+    set_forwarded_for(
+        headers, request.headers, request.remote, ctx.services.settings.forwarded_trusted_hops
+    )
     for name in ctx.services.tenants.headers_to_strip():
         headers.popall(name, None)
     ctx.headers = headers
@@ -328,6 +340,7 @@ async def clamp(ctx: RequestContext) -> Stop | None:
 
 EVERY_REQUEST: tuple[Stage, ...] = (
     refuse_when_stopping,
+    refuse_oversize_head,
     refuse_route,
     refuse_oversize,
     read_body,

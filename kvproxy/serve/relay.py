@@ -7,7 +7,9 @@ What the response bytes mean (the canary tripwire, first-output detection, `usag
 may be forwarded and what must be withheld) is decided by `inspector.ResponseInspector`
 (sans-IO); this module forwards what it allows and counts and logs what it reports.
 Every error body it builds has the request's `style` (the route's, `errors.error_style`).
-It never logs or stores response text (I8).
+A response it cannot complete once started is never completed: an event stream ends with
+the error event, any other body with the client's connection reset (DESIGN.md, "Nothing
+lost means nothing faked"). It never logs or stores response text (I8).
 
 Why the two read paths: racing every read against the disconnect watcher costs a task per
 chunk. Once a token has reached a present client the transfer is over, and a disconnect is
@@ -19,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import struct
 import time
 from typing import Any
 
@@ -35,6 +39,9 @@ from kvproxy.serve.state import Services
 from kvproxy.upstream import UpstreamResponse, network_boundary
 
 log = logging.getLogger("kvproxy.relay")
+
+# struct linger {l_onoff = 1, l_linger = 0}: close() sends RST instead of FIN.
+_LINGER_RESET = struct.pack("ii", 1, 0)
 
 
 class _Signal:
@@ -395,10 +402,17 @@ class Exchange:
         return error_response(err, self.extra_headers, self.style)
 
     async def _end_stream_with_error(self, err: KvproxyError) -> None:
+        """A response already started cannot be completed: an event stream ends with the
+        documented error event; any other body with the client's connection reset before
+        its framing (a length, or chunks) completes, as nginx and Envoy end it. Padding it
+        to its length, or a last chunk, would hand a client a complete-looking lie."""
         assert self.client is not None
-        with contextlib.suppress(ConnectionResetError, RuntimeError):
-            await self.client.write(errors.sse_error_event(err, self.style))
-            await self.client.write_eof()
+        if self.upstream is not None and _is_sse(self.upstream):
+            with contextlib.suppress(ConnectionResetError, RuntimeError):
+                await self.client.write(errors.sse_error_event(err, self.style))
+                await self.client.write_eof()
+            return
+        reset_client(self.request, self.client)
 
     # --- closing ------------------------------------------------------------------------
 
@@ -434,6 +448,20 @@ class Exchange:
                 request_id=self.record.request_id,
                 deferred_s=round(duration, 3),
             )
+
+
+def reset_client(request: web.Request, resp: web.StreamResponse) -> None:
+    """Drop the client's connection now, unsent bytes and all, with a reset (SO_LINGER 0):
+    a close alone could read as the end of a close-delimited (HTTP/1.0) body."""
+    resp.force_close()
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    transport.abort()
 
 
 def _is_sse(up: UpstreamResponse) -> bool:

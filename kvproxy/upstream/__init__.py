@@ -3,6 +3,14 @@ llhttp), and the one network boundary where aiohttp, OS and timeout exceptions b
 kvproxy outcomes (`network_boundary`), for the relay, the probes and the tools alike."""
 
 from kvproxy.upstream.boundary import failure_from, network_boundary
+from kvproxy.upstream.connection import UpstreamConnectError, UpstreamProtocolError
 from kvproxy.upstream.pool import UpstreamPool, UpstreamResponse
 
-__all__ = ["UpstreamPool", "UpstreamResponse", "failure_from", "network_boundary"]
+__all__ = [
+    "UpstreamConnectError",
+    "UpstreamPool",
+    "UpstreamProtocolError",
+    "UpstreamResponse",
+    "failure_from",
+    "network_boundary",
+]

@@ -3,10 +3,17 @@ is reading: llhttp's callbacks (httptools) turned into a head, a body read as it
 with flow control, and the read timeout (one timer for the connection's life).
 
 Raises into the reader (kvproxy.upstream.boundary classifies them): ConnectionResetError (the
-upstream closed before the response ended), TimeoutError, UpstreamProtocolError.
+upstream closed before the response ended), TimeoutError (no bytes for the read timeout, or
+the upstream took no request bytes for the send timeout), UpstreamProtocolError.
+
+What it accepts of a head is kvproxy.response.head's. The head (status line and field
+lines, interim heads included) is bounded by `max_head_bytes`, counted as bytes are fed to
+the parser (never more is fed before refusing), and `max_headers` fields per head; a
+chunked body's trailer section is bounded the same way.
 
 Must never: take bytes with no request outstanding, reuse itself after a response it could
-not read to the end, or hold more than READ_HIGH_WATER unread body bytes.
+not read to the end or that came before the request was all sent, hold more than
+READ_HIGH_WATER unread body bytes, or parse more than the head bound before refusing.
 """
 
 from __future__ import annotations
@@ -14,25 +21,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvproxy.policy import Origin
-
-if TYPE_CHECKING:
-    from kvproxy.upstream.pool import UpstreamPool
+from kvproxy.response import UpstreamProtocolError as UpstreamProtocolError
+from kvproxy.response import check_interim, check_status, final_fields
 
 # Unread body bytes of one response before its socket stops being read.
 READ_HIGH_WATER = 1 << 20
 # A request body above this goes out in pieces of this size, each once the socket drained.
 WRITE_PIECE = 256 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
-
-
-class UpstreamProtocolError(Exception):
-    """The upstream sent bytes that are not a readable HTTP/1.1 response."""
 
 
 class UpstreamConnectError(ConnectionError):
@@ -156,11 +159,36 @@ class UpstreamResponse:
         self._wake()
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What a connection may take from its upstream, and how long it waits (its pool's)."""
+
+    read_timeout_s: float
+    send_timeout_s: float
+    max_head_bytes: int
+    max_headers: int
+
+
+class ConnectionOwner(Protocol):
+    """The pool a connection belongs to, as the connection sees it (uvicorn's FlowControl is
+    the shape: a small object the protocol talks to, not its owner's private methods)."""
+
+    @property
+    def limits(self) -> ConnectionLimits: ...
+
+    def idle(self, conn: Connection) -> None:
+        """The connection read a response to its end and may serve another: keep it."""
+
+    def lost(self, conn: Connection) -> None:
+        """The connection is closed or will never be reused: forget it."""
+
+
 class Connection(asyncio.Protocol):
     """One connection and the response it is reading (at most one)."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
-        self.pool = pool
+    def __init__(self, owner: ConnectionOwner, origin: Origin) -> None:
+        self.owner = owner
+        self.limits = owner.limits
         self.origin = origin
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -178,6 +206,15 @@ class Connection(asyncio.Protocol):
         self._reason = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
         self._no_body = False
+        self._head_room = -1  # bytes the head may still take; -1 once the final one is read
+        self._body_phase = False  # the final head was read
+        self._max_headers = self.limits.max_headers
+        # Reads of the body that carried no body byte (chunk size lines, extensions, the
+        # trailer section), back to back: bounded like a head.
+        self._got_data = False
+        self._dataless = 0
+        self._trailers = 0
+        self._body_pending = False  # the request body is still being written (send_rest)
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -197,7 +234,7 @@ class Connection(asyncio.Protocol):
         drained = self._drained
         if drained is not None and not drained.done():
             drained.set_exception(ConnectionResetError("the upstream closed the connection"))
-        self.pool._forget(self)
+        self.owner.lost(self)
 
     def data_received(self, data: bytes) -> None:
         self.last_read = time.monotonic()
@@ -205,10 +242,27 @@ class Connection(asyncio.Protocol):
             self._protocol_error("bytes arrived with no request outstanding")
             return
         try:
-            self.parser.feed_data(data)
+            room = self._head_room
+            if room < 0:  # the body: the hot path, as _feed_body without a call
+                self._got_data = False
+                self.parser.feed_data(data)
+                if not self._got_data:
+                    self._count_dataless(len(data))
+                elif self._dataless:
+                    self._dataless = 0
+            elif len(data) <= room:
+                self._head_room = room - len(data)
+                self.parser.feed_data(data)
+            else:
+                self._feed_past(data, room)
         except httptools.HttpParserUpgrade:
             self._protocol_error("the upstream switched protocols")
         except httptools.HttpParserError as exc:
+            # A callback's own refusal travels as the parser error's context.
+            cause = exc.__context__
+            why = cause if isinstance(cause, UpstreamProtocolError) else exc
+            self._protocol_error(f"unreadable response ({why})")
+        except UpstreamProtocolError as exc:
             self._protocol_error(f"unreadable response ({exc})")
 
     def eof_received(self) -> bool:
@@ -219,9 +273,31 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        drained = self._drained
-        if drained is not None and not drained.done():
-            drained.set_result(None)
+        self._wake_sender()
+
+    # --- feeding the parser, bounded ----------------------------------------------------
+
+    def _feed_past(self, data: bytes, room: int) -> None:
+        # Only as much as the head may still take: a head past the bound is refused before
+        # llhttp (or httptools, which joins a field's pieces in memory) holds more.
+        if room:
+            self.parser.feed_data(data[:room])
+        if self._head_room >= 0:
+            raise UpstreamProtocolError(f"response head over {self.limits.max_head_bytes} bytes")
+        self._got_data = False
+        self.parser.feed_data(data[room:])
+        if not self._got_data:
+            self._count_dataless(len(data) - room)
+
+    def _count_dataless(self, size: int) -> None:
+        # A trailer field's pieces are joined in memory too; an endless one, or an endless
+        # chunk extension, is cut once past the head's bound (one read past it at most).
+        self._dataless += size
+        resp = self.response
+        if self._dataless > self.limits.max_head_bytes and resp is not None and not resp._eof:
+            raise UpstreamProtocolError(
+                f"response trailers over {self.limits.max_head_bytes} bytes"
+            )
 
     # --- llhttp callbacks ---------------------------------------------------------------
 
@@ -235,38 +311,50 @@ class Connection(asyncio.Protocol):
         self._reason += status  # may come in pieces
 
     def on_header(self, name: bytes, value: bytes | None) -> None:
-        self._headers.append((name, value or b""))
+        if self._body_phase:
+            # A trailer field (after the last chunk): read and dropped, as aiohttp does;
+            # only counted.
+            self._trailers += 1
+            if self._trailers > self._max_headers:
+                raise UpstreamProtocolError(f"more than {self._max_headers} trailer fields")
+            return
+        headers = self._headers
+        headers.append((name, value or b""))
+        if len(headers) > self._max_headers:
+            raise UpstreamProtocolError(f"more than {self._max_headers} header fields")
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200:
+        reason = check_status(status, self._reason)
+        if status < 200:
             # An interim response (100 Continue, 103 Early Hints): the real one follows.
+            check_interim(status, self._headers)
             self._interim = True
             self._headers.clear()
             self._reason.clear()
             return
+        headers, chunked, has_length = final_fields(self._headers)
         resp = self.response
         assert resp is not None
-        headers: CIMultiDict[str] = CIMultiDict()
-        chunked = has_length = False
-        for name, value in self._headers:
-            key = name.decode("latin-1")
-            text = value.decode("utf-8", "surrogateescape")
-            headers.add(key, text)
-            lk = key.lower()
-            if lk == "content-length":
-                has_length = True
-            elif lk == "transfer-encoding" and "chunked" in text.lower():
-                chunked = True
         self._headers = []
+        self._head_room = -1
+        self._body_phase = True
+        self._dataless = 0
+        self._trailers = 0
         resp.status = status
-        resp.reason = self._reason.decode("latin-1")
+        resp.reason = reason
         resp.headers = CIMultiDictProxy(headers)
         resp.keep_alive = self.parser.should_keep_alive()
         no_body = self._no_body or status in _NO_BODY_STATUSES
         resp.close_delimited = not (no_body or chunked or has_length)
         if resp.close_delimited:
             self.reusable = False
+        if self._body_pending:
+            # Answered before the request body was all sent: the rest is not sent (the
+            # upstream has decided), and what it did not read would be the next request's
+            # first bytes, so the connection is not reused.
+            self.reusable = False
+            self._wake_sender()
         head = self.head
         if head is not None and not head.done():
             head.set_result(resp)
@@ -277,6 +365,7 @@ class Connection(asyncio.Protocol):
             resp._end()
 
     def on_body(self, body: bytes) -> None:
+        self._got_data = True
         resp = self.response
         if resp is not None and not self._no_body:
             resp._feed(body)
@@ -302,43 +391,70 @@ class Connection(asyncio.Protocol):
         self._interim = False
         self._reason.clear()
         self._headers = []
+        self._head_room = self.limits.max_head_bytes
+        self._body_phase = False
         self.last_read = time.monotonic()
         self._arm_timer()
         if len(body) <= WRITE_PIECE:
             self.transport.writelines((head, body)) if body else self.transport.write(head)
         else:
             self.transport.write(head)
+            self._body_pending = True
 
     async def send_rest(self, body: bytes) -> None:
-        """Write a large body in pieces, waiting for the socket to drain between them."""
+        """Write a large body in pieces, waiting for the socket to drain between them (at
+        most the send timeout each time). Stops when the response head (or a failure) comes
+        first: RFC 9112 §9.5 has a client stop sending a body the server answered without."""
         view = memoryview(body)
-        for start in range(0, len(body), WRITE_PIECE):
-            if self.closed:
-                raise ConnectionResetError("the upstream closed the connection mid-request")
-            if self._write_paused:
-                self._drained = asyncio.get_running_loop().create_future()
-                try:
-                    await self._drained
-                finally:
-                    self._drained = None
-            assert self.transport is not None
-            self.transport.write(view[start : start + WRITE_PIECE])
+        head = self.head
+        assert head is not None
+        try:
+            for start in range(0, len(body), WRITE_PIECE):
+                if self.closed:
+                    raise ConnectionResetError("the upstream closed the connection mid-request")
+                if self._write_paused:
+                    await self._wait_drained()
+                if head.done():
+                    self.reusable = False
+                    return
+                assert self.transport is not None
+                self.transport.write(view[start : start + WRITE_PIECE])
+        finally:
+            self._body_pending = False
+
+    async def _wait_drained(self) -> None:
+        timeout = self.limits.send_timeout_s
+        self._drained = drained = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                await drained
+        except TimeoutError:
+            raise TimeoutError(f"the upstream took no request bytes for {timeout:g} s") from None
+        finally:
+            self._drained = None
+
+    def _wake_sender(self) -> None:
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     def done_with(self, resp: UpstreamResponse) -> None:
         self.response = None
         self.head = None
-        if self.closed or not self.reusable:
+        # Request bytes the upstream never took (a write buffer left) would precede the next.
+        unsent = self.transport is None or self.transport.get_write_buffer_size()
+        if self.closed or not self.reusable or unsent:
             self.abort()
             return
         self.idle_since = time.monotonic()
-        self.pool._put(self)
+        self.owner.idle(self)
 
     def abort(self) -> None:
         self._cancel_timer()
         if not self.closed and self.transport is not None:
             self.transport.abort()
         self.closed = True
-        self.pool._forget(self)
+        self.owner.lost(self)
 
     def pause_reading(self) -> None:
         if not self._reading_paused and self.transport is not None and not self.closed:
@@ -359,6 +475,7 @@ class Connection(asyncio.Protocol):
         head = self.head
         if head is not None and not head.done():
             head.set_exception(exc)
+        self._wake_sender()
 
     def _protocol_error(self, why: str) -> None:
         err = UpstreamProtocolError(why)
@@ -371,7 +488,7 @@ class Connection(asyncio.Protocol):
 
     def _arm_timer(self) -> None:
         if self._timer is None:
-            timeout = self.pool.read_timeout_s
+            timeout = self.limits.read_timeout_s
             self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timer)
 
     def _cancel_timer(self) -> None:
@@ -385,7 +502,7 @@ class Connection(asyncio.Protocol):
         self._timer = None
         if self.closed:
             return
-        timeout = self.pool.read_timeout_s
+        timeout = self.limits.read_timeout_s
         if self.response is None or self.response._eof:
             self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timer)
             return

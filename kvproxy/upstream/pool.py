@@ -17,21 +17,26 @@ connection and its response are kvproxy.upstream.connection's. Its body is read 
 was read to its end and may be kept alive, `close()` aborts it (the relay's upstream
 cancellation).
 
-Timeouts, as aiohttp's sock_connect / sock_read were configured: connecting, and the gap
-between two reads of a response while the client keeps up (from the request's send on: a
-long prefill sends nothing for minutes). One timer per connection for its whole life,
-moved only when it fires, so neither a request nor a streamed chunk costs timer work. An
-idle connection is not reused after `keepalive_s` and is closed by a sweep soon after.
+Timeouts: connecting (`connect_timeout_s`); the gap between two reads of a response while
+the client keeps up, the head's wait included (`read_timeout_s`, from the request's send
+on: a long prefill sends nothing for minutes); and, while a large body goes out, the gap
+the upstream may take no request bytes (`send_timeout_s`). The read timer is one per
+connection for its whole life, moved only when it fires, so neither a request nor a
+streamed chunk costs timer work. An idle connection is not reused after `keepalive_s` and
+is closed by a sweep soon after. Bounds: `max_head_bytes` and `max_headers` per response
+head (kvproxy.upstream.connection counts them as bytes arrive; kvproxy.response.head is what a
+head may hold).
 
 Raises (kvproxy.upstream.boundary classifies them): UpstreamConnectError (refused, unreachable,
 DNS), ConnectionResetError (the upstream closed before the response ended), TimeoutError,
-UpstreamProtocolError (bytes llhttp cannot read as a response, or bytes with no request
-outstanding).
+UpstreamProtocolError (bytes llhttp cannot read as a response, a head it may not relay or
+past its bounds, or bytes with no request outstanding).
 
 Must never: send a request on a connection with a response still unread, reuse one after
-a response it could not read to the end (HEAD, close-delimited, failed, aborted), send a
-header value holding CR, LF or NUL, or hold more than READ_HIGH_WATER unread body bytes
-(reading the socket pauses until the relay catches up).
+a response it could not read to the end (HEAD, close-delimited, failed, aborted) or one
+that came before the request body was all sent, send a header value holding CR, LF or NUL,
+or hold more than READ_HIGH_WATER unread body bytes (reading the socket pauses until the
+relay catches up).
 """
 
 from __future__ import annotations
@@ -46,10 +51,18 @@ from multidict import CIMultiDict
 
 from kvproxy.policy import Origin, parse_origin
 from kvproxy.upstream.connection import READ_HIGH_WATER as READ_HIGH_WATER
-from kvproxy.upstream.connection import WRITE_PIECE, Connection
+from kvproxy.upstream.connection import WRITE_PIECE, Connection, ConnectionLimits
 from kvproxy.upstream.connection import UpstreamConnectError as UpstreamConnectError
 from kvproxy.upstream.connection import UpstreamProtocolError as UpstreamProtocolError
 from kvproxy.upstream.connection import UpstreamResponse as UpstreamResponse
+
+# Envoy's defaults for a response head: 60 KiB (max_response_headers_kb) and 100 fields
+# (max_headers_count). nginx's proxy_buffer_size (one 4-8 KiB page) is tighter; a router's
+# head is well under 1 KiB, so the larger bound refuses nothing real.
+DEFAULT_MAX_HEAD_BYTES = 60 * 1024
+DEFAULT_MAX_HEADERS = 100
+# nginx's proxy_send_timeout: the longest the upstream may take no request bytes.
+DEFAULT_SEND_TIMEOUT_S = 60.0
 
 
 class UpstreamPool:
@@ -62,11 +75,15 @@ class UpstreamPool:
         keepalive_s: float,
         connect_timeout_s: float,
         read_timeout_s: float,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+        max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+        max_headers: int = DEFAULT_MAX_HEADERS,
     ) -> None:
         self.limit = limit
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
+        # What each connection may take and wait for (ConnectionOwner.limits).
+        self.limits = ConnectionLimits(read_timeout_s, send_timeout_s, max_head_bytes, max_headers)
         self._origins: dict[str, Origin] = {}
         self._idle: dict[Origin, list[Connection]] = {}
         self._open: set[Connection] = set()
@@ -126,6 +143,8 @@ class UpstreamPool:
             assert conn.head is not None
             return await conn.head
         except BaseException:
+            if conn.head is not None and not conn.head.done():
+                conn.head.cancel()  # nobody will read it: no "exception never retrieved"
             conn.abort()
             raise
 
@@ -219,7 +238,9 @@ class UpstreamPool:
             self._tls = ssl.create_default_context()
         return self._tls
 
-    def _put(self, conn: Connection) -> None:
+    # --- ConnectionOwner: what its connections tell the pool ------------------------------
+
+    def idle(self, conn: Connection) -> None:
         if self._closed:
             conn.abort()
             return
@@ -236,12 +257,12 @@ class UpstreamPool:
         too_old = time.monotonic() - self.keepalive_s
         for idle in self._idle.values():
             for conn in [c for c in idle if c.idle_since <= too_old]:
-                conn.abort()  # _forget takes it off the list
+                conn.abort()  # lost() takes it off the list
         if self.idle_connections:
             loop = asyncio.get_running_loop()
             self._sweep = loop.call_later(self.keepalive_s / 2, self._sweep_idle)
 
-    def _forget(self, conn: Connection) -> None:
+    def lost(self, conn: Connection) -> None:
         if conn in self._open:
             self._open.discard(conn)
             idle = self._idle.get(conn.origin)

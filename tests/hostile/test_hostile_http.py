@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import logging
 import re
 import shutil
 import tracemalloc
@@ -420,4 +421,117 @@ async def test_a_zip_bomb_is_413_and_memory_stays_near_the_limit(upstream: FakeU
         assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
         assert b'"code":"request_too_large"' in answer
         assert peak < 4 * limit, f"peak {peak / MIB:.1f} MiB"
+    assert upstream.received == []
+
+
+# --- the request head (#31.6) and the client's address (#31.5) ------------------------------
+
+
+def _head_with(fields: bytes) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n" % (CHAT.encode(), len(BODY))
+        + fields
+        + b"\r\n"
+        + BODY
+    )
+
+
+HEADS = {
+    # The case: under aiohttp's per-line (8,190) and count (128) limits, 939 KiB.
+    "120 fields of 8 KB": b"".join(b"X-Big-%d: %s\r\n" % (i, b"v" * 8000) for i in range(120)),
+    "101 small fields": b"".join(b"X-Small-%d: 1\r\n" % i for i in range(99)),
+    "61 KiB in 8 fields": b"".join(b"X-Mid-%d: %s\r\n" % (i, b"v" * 7900) for i in range(8)),
+}
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+async def test_a_request_head_past_its_bounds_is_431_and_never_forwarded(
+    upstream: FakeUpstream, name: str
+) -> None:
+    _ok_upstream(upstream)
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.public_port)
+        writer.write(_head_with(HEADS[name]))
+        await writer.drain()
+        answer = await _read_response(reader, 10)
+        await _close(writer)
+        assert proxy.metrics.rejections.labels("request_head", "default")._value.get() == 1
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), head
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "request_header_fields_too_large"
+    assert "KVPROXY_MAX_REQUEST_HEAD" in error["message"]
+    assert upstream.received == []
+
+
+async def test_a_request_head_within_its_bounds_is_forwarded(upstream: FakeUpstream) -> None:
+    _ok_upstream(upstream)
+    await upstream.start()
+    fields = b"".join(b"X-F-%d: %s\r\n" % (i, b"v" * 500) for i in range(97))  # 100 fields
+    async with running_proxy(upstream.url) as proxy:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.public_port)
+        writer.write(_head_with(fields))
+        await writer.drain()
+        answer = await _read_response(reader, 10)
+        await _close(writer)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert len(upstream.received) == 1
+
+
+SPOOFED = (
+    b"X-Forwarded-For: 6.6.6.6, 1.2.3.4\r\nForwarded: for=6.6.6.6\r\nX-Real-IP: 6.6.6.6\r\n"
+    b"X-Forwarded-Proto: https\r\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("hops", "sent_for"),
+    [(None, "6.6.6.6, 1.2.3.4, 127.0.0.1"), (0, "127.0.0.1"), (1, "1.2.3.4, 127.0.0.1")],
+)
+async def test_x_forwarded_for_names_the_peer_after_the_trusted_hops(
+    upstream: FakeUpstream, hops: int | None, sent_for: str
+) -> None:
+    _ok_upstream(upstream)
+    await upstream.start()
+    async with running_proxy(upstream.url, forwarded_trusted_hops=hops) as proxy:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.public_port)
+        writer.write(_head_with(SPOOFED))
+        await writer.drain()
+        assert (await _read_response(reader, 10)).startswith(b"HTTP/1.1 200")
+        await _close(writer)
+    seen = {k.lower(): v for k, v in upstream.received[0]["headers"].items()}
+    assert seen["x-forwarded-for"] == sent_for
+    others = {"forwarded", "x-real-ip", "x-forwarded-proto"}
+    assert others.isdisjoint(seen) if hops == 0 else others <= set(seen)
+
+
+PARSER_REFUSALS = {
+    "300 fields": b"".join(b"X-F-%d: 1\r\n" % i for i in range(300)),
+    "a 20 KB field": b"Authorization: Bearer S3CRET-" + b"t" * 20000 + b"\r\n",
+    "a field without a colon": b"X-No-Colon S3CRET\r\n",
+}
+
+
+@pytest.mark.parametrize("name", list(PARSER_REFUSALS))
+async def test_what_aiohttp_cannot_parse_is_a_json_400_that_quotes_nothing(
+    upstream: FakeUpstream, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    _ok_upstream(upstream)
+    await upstream.start()
+    caplog.set_level(logging.DEBUG)
+    async with running_proxy(upstream.url) as proxy:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.public_port)
+        writer.write(_head_with(PARSER_REFUSALS[name]))
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        answer = await _read_answer(reader, 5)
+        await _close(writer)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    # HTTP/1.0: aiohttp answers in the oldest version when the request line did not parse.
+    assert head.startswith((b"HTTP/1.0 400", b"HTTP/1.1 400")), answer[:300]
+    assert b"application/json" in head
+    assert orjson.loads(body)["error"]["code"] == "malformed_request"
+    assert b"S3CRET" not in answer
+    assert "S3CRET" not in caplog.text
     assert upstream.received == []

@@ -1,94 +1,24 @@
-"""The relay's upstream client (kvproxy/upstream/pool.py) against scripted loopback servers:
-framing (length, chunked, close-delimited, HEAD, 1xx, 204), keep-alive reuse and its
-limits, every failure the network boundary classifies, timeouts, large bodies both ways,
-and what must never be sent."""
+"""The relay's upstream client (kvproxy/upstream.py) against scripted loopback servers: what
+needs a real socket — keep-alive reuse and the pool's limits, connect failures, timeouts,
+large bodies both ways with flow control, an upload the upstream answers early and stops
+reading — and what must never be sent. Framing is tested without sockets in
+test_upstream_conn.py and against h11 in test_upstream_h11.py."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import pytest
 from multidict import CIMultiDict
+from scripted_upstream import Seen, read_request, replies, server
 
 from kvproxy.config import ConfigError, load_settings
 from kvproxy.policy.origin import parse_origin
+from kvproxy.upstream import UpstreamPool
 from kvproxy.upstream.boundary import classify
-from kvproxy.upstream.pool import (
-    READ_HIGH_WATER,
-    UpstreamConnectError,
-    UpstreamPool,
-    UpstreamProtocolError,
-)
-
-Script = Callable[["Seen", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@dataclass
-class Seen:
-    """What the server saw: connections opened, and each request's head and body."""
-
-    connections: int = 0
-    heads: list[bytes] = field(default_factory=list)
-    bodies: list[bytes] = field(default_factory=list)
-
-
-async def read_request(seen: Seen, reader: asyncio.StreamReader) -> bool:
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError:
-        return False
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    seen.heads.append(head)
-    seen.bodies.append(await reader.readexactly(length))
-    return True
-
-
-def replies(*responses: bytes, close: bool = False) -> Script:
-    """Answer each request on a connection with the next response; close after if asked."""
-
-    async def script(seen: Seen, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        for resp in responses:
-            if not await read_request(seen, r):
-                return
-            w.write(resp)
-            await w.drain()
-        if close:
-            w.close()
-            return
-        await r.read()  # hold the connection until the client lets go
-
-    return script
-
+from kvproxy.upstream.connection import READ_HIGH_WATER, UpstreamConnectError
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Up: 1\r\n\r\nok"
-
-
-@asynccontextmanager
-async def server(script: Script) -> AsyncIterator[tuple[str, Seen]]:
-    seen = Seen()
-
-    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        seen.connections += 1
-        try:
-            await script(seen, r, w)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            w.close()
-
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", seen
-    finally:
-        srv.close()
-        await asyncio.wait_for(srv.wait_closed(), 5)
 
 
 def pool(**kw: float) -> UpstreamPool:
@@ -164,75 +94,6 @@ async def test_close_delimited_body_ends_at_the_close_and_is_not_reused() -> Non
         assert await read_all(resp) == b"until the end"
         resp.release()
         assert p.idle_connections == 0
-        await p.close()
-
-
-async def test_head_ends_at_its_headers_and_204_has_no_body() -> None:
-    head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"
-    no_content = b"HTTP/1.1 204 No Content\r\n\r\n"
-    async with server(replies(head)) as (url, _):
-        p = pool()
-        resp = await p.request(url, "HEAD", "/", hdrs(), b"")
-        assert resp.headers["Content-Length"] == "1000"
-        assert await read_all(resp) == b""
-        resp.release()
-        assert p.idle_connections == 0  # a HEAD's connection is not trusted again
-        await p.close()
-    async with server(replies(no_content, OK)) as (url, seen):
-        p = pool()
-        resp = await p.request(url, "DELETE", "/x", hdrs(), b"")
-        assert resp.status == 204
-        assert await read_all(resp) == b""
-        resp.release()
-        resp = await p.request(url, "GET", "/", hdrs(), b"")
-        assert await read_all(resp) == b"ok"
-        resp.release()
-        assert seen.connections == 1
-        await p.close()
-
-
-async def test_interim_responses_are_skipped() -> None:
-    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
-    async with server(replies(interim + OK)) as (url, _):
-        p = pool()
-        resp = await p.request(url, "POST", "/", hdrs(), b"x")
-        assert resp.status == 200
-        assert "Link" not in resp.headers
-        assert await read_all(resp) == b"ok"
-        resp.release()
-        await p.close()
-
-
-@pytest.mark.parametrize(
-    "reply",
-    [
-        b"garbage\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
-        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
-    ],
-)
-async def test_unreadable_responses_are_protocol_errors(reply: bytes) -> None:
-    async with server(replies(reply)) as (url, _):
-        p = pool()
-        with pytest.raises(UpstreamProtocolError) as info:
-            await p.request(url, "GET", "/", hdrs(), b"")
-        assert classify(info.value) == "protocol"
-        assert p.open_connections == 0
-        await p.close()
-
-
-async def test_a_second_response_to_one_request_drops_the_connection() -> None:
-    async with server(replies(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nextra")) as (
-        url,
-        _,
-    ):
-        p = pool()
-        resp = await p.request(url, "GET", "/", hdrs(), b"")
-        assert await read_all(resp) == b"ok"  # the first is whole; the rest is not its body
-        await asyncio.sleep(0.05)
-        assert resp.read_nowait() == b""
-        resp.release()
-        assert p.open_connections == 0  # out of step with its requests: never reused
         await p.close()
 
 
@@ -333,6 +194,34 @@ async def test_large_bodies_both_ways_and_reading_pauses_for_a_slow_reader() -> 
         resp.release()
         assert seen.bodies == [big]
         await p.close()
+
+
+async def test_an_early_answer_reaches_the_caller_while_the_upstream_stops_reading() -> None:
+    """#31.4 on a real socket: a 12 MiB POST, the upstream reads the head, answers 413
+    (keep-alive) and then neither reads nor closes. The 413 comes back, the rest of the body
+    is not sent, and the connection is not reused."""
+    release = asyncio.Event()
+
+    async def script(seen: Seen, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        seen.heads.append(await r.readuntil(b"\r\n\r\n"))
+        w.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 7\r\n\r\ntoo big")
+        await w.drain()
+        await asyncio.wait_for(release.wait(), 30)
+
+    async with server(script) as (url, seen):
+        p = pool(read_timeout_s=3.0)
+        try:
+            resp = await asyncio.wait_for(
+                p.request(url, "POST", "/", hdrs(), b"b" * (12 * 1024 * 1024)), 20
+            )
+            assert resp.status == 413
+            assert await read_all(resp) == b"too big"
+            resp.release()
+            assert p.idle_connections == 0
+        finally:
+            release.set()
+            await p.close()
+    assert seen.connections == 1
 
 
 async def test_a_path_prefix_of_the_upstream_url_is_kept() -> None:
