@@ -84,12 +84,9 @@ class Exchange:
         )
         self.streaming = streaming
         self.gone: asyncio.Future[None] = services.watcher.watch(request)
-        self.gone_seen = False
-        self.shutdown_seen = False
         self.upstream: UpstreamResponse | None = None
         self.client: web.StreamResponse | None = None
         self.inspector: ResponseInspector | None = None
-        self.token_seen = False
         self.whole: bytes | None = None  # a body that arrived whole, sent at EOF
 
     @property
@@ -108,11 +105,11 @@ class Exchange:
             await self._race(fut)
         if fut.done():
             return fut.result()
-        if not self.gone_seen and self.gone.done():
-            self.gone_seen = True
+        # What the machine has not been told yet: the client left, or the grace period ended
+        # (after Shutdown the machine has closed the upstream and nothing waits again).
+        if not self.machine.client_gone and self.gone.done():
             return GONE
-        if not self.shutdown_seen and self.hard_stop.done():
-            self.shutdown_seen = True
+        if self.hard_stop.done():
             return SHUTDOWN
         return DEADLINE
 
@@ -124,11 +121,9 @@ class Exchange:
             if not waiter.done():
                 waiter.set_result(None)
 
-        watched = [fut]
-        if not self.gone_seen:
+        watched = [fut, self.hard_stop]
+        if not self.machine.client_gone:
             watched.append(self.gone)
-        if not self.shutdown_seen:
-            watched.append(self.hard_stop)
         for f in watched:
             f.add_done_callback(wake)
         timer = None
@@ -146,7 +141,6 @@ class Exchange:
     # --- events into the machine ----------------------------------------------------------
 
     def _client_gone(self) -> drain.Decision:
-        self.gone_seen = True
         decision = self.machine.handle(drain.ClientGone(now=time.monotonic()))
         phase = self.machine.disconnect_phase
         if phase is not None:
@@ -214,7 +208,7 @@ class Exchange:
         """The upstream broke after its headers: end the client's stream with an error event
         if it already started, else answer with the error."""
         resp = self._upstream_failed(err)
-        if self.client is not None and not self.gone_seen:
+        if self.client is not None and not self.machine.client_gone:
             await self._end_stream_with_error(err)
             return None
         return resp
@@ -223,7 +217,7 @@ class Exchange:
         self.record.upstream_outcome = err.code
         self.services.metrics.upstream_errors.labels(err.code).inc()
         self.machine.handle(drain.UpstreamError(now=time.monotonic()))
-        if self.gone_seen:
+        if self.machine.client_gone:
             return None
         return error_response(err, self.extra_headers, self.style)
 
@@ -250,7 +244,8 @@ class Exchange:
         )
         got_first = False
         while True:
-            fast = got_first and not self.gone_seen and (self.token_seen or not self.streaming)
+            m = self.machine
+            fast = got_first and not m.client_gone and (m.token_seen or not self.streaming)
             try:
                 with network_boundary():
                     if fast:
@@ -280,34 +275,27 @@ class Exchange:
                 end = insp.finish()
                 if self._report(end):
                     return await self._block(up)
-                tail = is_sse and end.forward and not self.gone_seen
+                tail = is_sse and end.forward and not self.machine.client_gone
                 if tail and not await self._write(up, end.forward):
                     return None
                 self.machine.handle(drain.UpstreamEOF(now=now))
                 return await self._finish(up, end)
             got_first = True
-            # A token already reached a present client: the machine is STREAMING and every
-            # chunk maps to Forward without changing it (drain.py's table), so the hot path
-            # skips building and dispatching the event; a disconnect brings it back.
-            steady = self.token_seen and not self.gone_seen
             try:
                 step = insp.feed(chunk)
             except SSEError:
                 return await self._fail_midway(errors.upstream_bad_response("oversized SSE event"))
-            if step.output:
-                self.token_seen = True
             if step.output or not is_sse:
                 # TTFT: the first generated output of a stream (whatever field carries it),
                 # the first body byte of anything else.
                 self._observe_ttft(now - t_sent)
             if self._report(step):
                 return await self._block(up)
-            if not steady:
-                decision = self.machine.handle(drain.UpstreamChunk(now=now, has_token=step.output))
-                if isinstance(decision, drain.CloseUpstream):
-                    return None
-                if isinstance(decision, drain.Discard):
-                    continue
+            decision = m.handle(drain.UpstreamChunk(now=now, has_token=step.output))
+            if isinstance(decision, drain.CloseUpstream):
+                return None
+            if isinstance(decision, drain.Discard):
+                continue
             truncated = insp.truncated
             kept = insp.keep(step.forward)
             if kept.refuse is not None:
@@ -353,10 +341,10 @@ class Exchange:
             self._report_canary(hit)
         # Observe only counts. After a disconnect nothing reaches anyone, so the chunk goes
         # to the drain machine like any other (it carries a token).
-        return step.withhold and not self.gone_seen
+        return step.withhold and not self.machine.client_gone
 
     async def _finish(self, up: UpstreamResponse, end: Step) -> web.StreamResponse | None:
-        if self.gone_seen:
+        if self.machine.client_gone:
             return None
         assert self.inspector is not None
         body = end.forward if self.inspector.hold else self.whole
@@ -394,7 +382,7 @@ class Exchange:
             self.machine.handle(drain.UpstreamEOF(now=time.monotonic()))
         err = err or errors.canary_violation()
         self.record.upstream_outcome = err.code
-        if self.gone_seen:
+        if self.machine.client_gone:
             return None
         if self.client is not None:
             await self._end_stream_with_error(err)
@@ -428,7 +416,7 @@ class Exchange:
     def _account_deferral(self) -> None:
         m = self.services.metrics
         outcome = self.machine.outcome
-        if not self.gone_seen or outcome is None:
+        if not self.machine.client_gone or outcome is None:
             return
         now = time.monotonic()
         duration = self.machine.deferred_for(now)
