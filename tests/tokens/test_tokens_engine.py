@@ -59,9 +59,12 @@ async def test_vllm_gets_messages() -> None:
     got = await _count(engine, chat_shape())
     assert (got.tokens, got.method, got.exact) == (7, "engine", True)
     (req,) = engine.requests
-    # As the client sent them: the engine applies its own normalisation (tokens.chatnorm).
-    assert req.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    assert req.add_generation_prompt
+    # As the client sent them: the engine applies its own normalisation (tokens.chatnorm),
+    # and a field the client did not send stays unsent (the engine's default applies).
+    assert req.fields == {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    }
+    assert orjson.loads(req.body()) == req.fields
 
 
 async def test_sglang_gets_the_locally_rendered_template() -> None:
