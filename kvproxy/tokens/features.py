@@ -37,10 +37,10 @@ Feature names, by where they live:
     continue_final_message     set to true
     reasoning_effort, reasoning_effort:none, reasoning (SGLang's object)
     kwarg:enable_thinking|thinking|reasoning_effort|special_token|other   chat_template_kwargs
-    number:float               a float anywhere a template can print it (orjson turns
-                               integers beyond 64 bits into floats, so they land here too)
+    number:float               a float anywhere a template can print it
     number:big_int             an integer beyond 2**53 (JSON's exact range in a float64
-                               re-serialiser, smg's)
+                               re-serialiser, smg's), or an integral float beyond it (orjson
+                               turns integer literals beyond 64 bits into floats)
     prompt:ids, prompt:batch, suffix, echo, generate:input_ids, generate:media,
     generate:batch             completions and /generate forms
     unknown:body|message|part|tool|tool_function|tool_call|tool_call_function
@@ -372,6 +372,10 @@ def _numbers(value: Any, out: set[Feature]) -> None:
             continue
         if isinstance(item, float):
             out.add("number:float")
+            if item.is_integer() and abs(item) > EXACT_INT:
+                # orjson turns integer literals beyond 64 bits into floats: such a float may
+                # stand for digits the client sent and no float prints back.
+                out.add("number:big_int")
         elif isinstance(item, int):
             if not -EXACT_INT <= item <= EXACT_INT:
                 out.add("number:big_int")

@@ -114,7 +114,9 @@ PLAIN_PROMPTS: frozenset[Feature] = frozenset(
 # chat_template_kwargs, add_generation_prompt, continue_final_message, add_special_tokens:
 # vllm/entrypoints/serve/tokenize/protocol.py TokenizeChatRequest), with the same renderer
 # as chat completions. Fields /tokenize does not take (documents, reasoning_effort,
-# tool_choice, response_format, a request chat_template) and media stay unverified.
+# tool_choice, response_format, a request chat_template) and media stay unverified, and so
+# do integers beyond 64 bits: kvproxy parses the body with orjson, which turns them into
+# floats, so the fields it re-serialises for /tokenize would not carry the client's digits.
 ENGINE_TRUTH_VLLM: frozenset[Feature] = frozenset(
     f
     for f in FEATURES
@@ -123,7 +125,7 @@ ENGINE_TRUTH_VLLM: frozenset[Feature] = frozenset(
     or f in ("part:text", "part:string", "part:refusal", "tools", "tools:strict",
              "tools:defer_loading", "add_generation_prompt:true",
              "add_generation_prompt:false", "continue_final_message", "add_special_tokens",
-             "number:float", "number:big_int")
+             "number:float")
 )  # fmt: skip
 
 
