@@ -375,3 +375,16 @@ async def test_serve_refuses_the_system_role_body_and_admits_a_plain_chat_at_the
     assert len(upstream.received) == 1
     # The operator's view: one withheld exact count, labelled by the feature (never content).
     assert 'kvproxy_unverified_features_total{feature="role:case",model="default"} 1.0' in scraped
+
+
+async def test_a_large_body_is_gated_off_the_loop_too() -> None:
+    """Past the inline size the plan (and the feature read) runs in a worker: same gate."""
+    big = {"messages": [{"role": "System", "content": "word " * 5000}, SYSTEM_BODY["messages"][1]]}
+    c = counter(Verifier(["static"], "auto"))
+    try:
+        got = await c.count(shape(big), 1000)
+    finally:
+        await c.aclose()
+    assert got.unverified == ("role:case",)
+    assert got.kind == "upper-bound"
+    assert got.tokens > 1000
