@@ -382,9 +382,9 @@ async def test_a_large_body_is_gated_off_the_loop_too() -> None:
     big = {"messages": [{"role": "System", "content": "word " * 5000}, SYSTEM_BODY["messages"][1]]}
     c = counter(Verifier(["static"], "auto"))
     try:
-        got = await c.count(shape(big), 1000)
+        got = await c.count(shape(big), 40)
     finally:
         await c.aclose()
     assert got.unverified == ("role:case",)
     assert got.kind == "upper-bound"
-    assert got.tokens > 1000
+    assert got.tokens > 40
