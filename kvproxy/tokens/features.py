@@ -41,8 +41,10 @@ Feature names, by where they live:
     number:big_int             an integer beyond 2**53 (JSON's exact range in a float64
                                re-serialiser, smg's), or an integral float beyond it (orjson
                                turns integer literals beyond 64 bits into floats)
-    prompt:ids, prompt:batch, suffix, echo, generate:input_ids, generate:media,
-    generate:batch             completions and /generate forms
+    prompt:text, prompt:ids, prompt:batch, suffix, echo, generate:text,
+    generate:input_ids, generate:media, generate:batch   completions and /generate forms
+                               (text is tokenized with the special tokens the engine's
+                               tokenizer adds, which kvproxy takes from tokenizer.json)
     unknown:body|message|part|tool|tool_function|tool_call|tool_call_function
 """
 
@@ -146,6 +148,10 @@ def request_features(route: str, data: Mapping[str, Any]) -> frozenset[Feature]:
     elif route == "completions":
         _top_level(data, _COMPLETIONS_TOP, out)
         prompt = data.get("prompt")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and any(
+            isinstance(p, str) for p in prompt
+        )):  # fmt: skip
+            out.add("prompt:text")
         if isinstance(prompt, list) and prompt:
             if not isinstance(prompt[0], str):
                 out.add("prompt:ids")
@@ -157,6 +163,8 @@ def request_features(route: str, data: Mapping[str, Any]) -> frozenset[Feature]:
             out.add("echo")
     elif route == "generate":
         _top_level(data, _GENERATE_TOP, out)
+        if data.get("text") is not None:
+            out.add("generate:text")
         if data.get("input_ids") is not None:
             out.add("generate:input_ids")
         if isinstance(data.get("text"), list):
@@ -411,8 +419,8 @@ FEATURES: frozenset[Feature] = frozenset(
        "continue_final_message", "reasoning_effort", "reasoning_effort:none", "reasoning"}
     | {f"kwarg:{k}" for k in (*_KWARGS, "special_token", "other")}
     | {"number:float", "number:big_int"}
-    | {"prompt:ids", "prompt:batch", "suffix", "generate:input_ids", "generate:media",
-       "generate:batch"}
+    | {"prompt:text", "prompt:ids", "prompt:batch", "suffix", "generate:text",
+       "generate:input_ids", "generate:media", "generate:batch"}
     | {f"unknown:{w}" for w in ("body", "message", "part", "tool", "tool_function",
                                 "tool_call", "tool_call_function")}
 )  # fmt: skip
