@@ -43,9 +43,12 @@ class F64(float):
 
 def _int(text: str) -> int | float:
     """serde_json's integer parse: u64 when non-negative and it fits, i64 when negative
-    and it fits (`-0` is the integer 0, as the 1.13.0 binary prints it), else an f64."""
+    and it fits, else an f64 (`-0` too: "Convert into a float if we underflow, or on
+    `-0`"; the 1.13.0 binary prints it -0.0)."""
     v = int(text)
     if text.lstrip().startswith("-"):
+        if v == 0:
+            return F64(-0.0)
         if v >= -(2**63):
             return v
         return F64(float(text))
