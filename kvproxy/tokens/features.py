@@ -67,6 +67,8 @@ _MAPPED_ROLES = {"developer": "role:developer", "function": "role:function"}
 # shaping, transport): OpenAI's chat API, vLLM's ChatCompletionRequest (entrypoints/openai/
 # chat_completion/protocol.py) and SGLang's ChatCompletionRequest (srt/entrypoints/openai/
 # protocol.py). `truncate_prompt_tokens` only ever lowers the engine's count, never raises it.
+# Not inert: vLLM's `kv_transfer_params` can carry the prompt's token ids (the oracle's
+# chat-kv-transfer-prompt-ids case), so it is an unknown key like any other.
 INERT_KEYS = frozenset(
     {"model", "max_tokens", "max_completion_tokens", "max_new_tokens", "n", "best_of",
      "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -78,8 +80,8 @@ INERT_KEYS = frozenset(
      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "lora_path", "rid",
      "bootstrap_host", "bootstrap_port", "bootstrap_room", "separate_reasoning",
      "stream_reasoning", "include_reasoning", "thinking_token_budget", "priority",
-     "request_id", "session_id", "cache_salt", "kv_transfer_params", "ec_transfer_params",
-     "use_beam_search", "bad_words", "allowed_token_ids", "prompt_logprobs",
+     "request_id", "session_id", "cache_salt", "use_beam_search", "bad_words",
+     "allowed_token_ids", "prompt_logprobs",
      "return_tokens_as_token_ids", "return_token_ids", "return_hidden_states",
      "return_prompt_text", "custom_logit_processor", "custom_params", "vllm_xargs",
      "watermarking", "truncate_prompt_tokens", "truncation_side", "logprob_token_ids",

@@ -13,23 +13,6 @@ engine's (property (b); an over-count is safe but must not be called exact).
 from __future__ import annotations
 
 UNDER_TODAY: dict[tuple[str, str], str] = {
-    ("add-generation-prompt-false", "sglang"): (
-        "class 3: up to 5 tokens under (deepseek-v3, glm-4, glm-4-32b-0414, "
-        "glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("add-generation-prompt-false", "smg+sglang"): (
-        "class 3: up to 5 tokens under (deepseek-v3, glm-4, glm-4-32b-0414, "
-        "glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("add-generation-prompt-false-assistant-last", "sglang"): (
-        "class 3: up to 3 tokens under (glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3.5, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("add-generation-prompt-false-assistant-last", "smg+sglang"): (
-        "class 3: up to 3 tokens under (glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3.5, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("chat-add-special-tokens", "vllm"): "class sibling: up to 2 tokens under (glm-4)",
     ("chat-input-ids", "sglang"): (
         "class sibling: up to 364 tokens under (deepseek-v3, glm-4, glm-4-32b-0414, "
         "glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq)"
@@ -47,50 +30,10 @@ UNDER_TODAY: dict[tuple[str, str], str] = {
         "glm-4-32b-0414, glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5, "
         "qwen2-vl-2b-instruct-awq)"
     ),
-    ("final-assistant-plain-continue", "sglang"): (
-        "class 2: up to 1 tokens under (glm-4, glm-4.7-flash)"
-    ),
-    ("final-assistant-plain-continue", "smg+sglang"): (
-        "class 2: up to 1 tokens under (glm-4, glm-4.7-flash)"
-    ),
-    ("final-assistant-think", "sglang"): "class 2: up to 1 tokens under (glm-4.7-flash)",
-    ("final-assistant-think", "smg+sglang"): "class 2: up to 1 tokens under (glm-4.7-flash)",
-    ("final-assistant-think-continue", "sglang"): (
-        "class 2: up to 2 tokens under (glm-4, glm-4.7-flash)"
-    ),
-    ("final-assistant-think-continue", "smg+sglang"): (
-        "class 2: up to 2 tokens under (glm-4, glm-4.7-flash)"
-    ),
-    ("numbers-tool-arguments", "sglang"): (
-        "class 5: up to 10 tokens under (glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5)"
-    ),
-    ("numbers-tool-arguments", "smg+sglang"): (
-        "class 5: up to 10 tokens under (glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5)"
-    ),
-    ("numbers-tool-schema", "sglang"): (
-        "class 5: up to 10 tokens under (glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5)"
-    ),
-    ("numbers-tool-schema", "smg+sglang"): (
-        "class 5: up to 10 tokens under (glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5)"
-    ),
-    ("reasoning-effort-none", "sglang"): "class 4: up to 4 tokens under (qwen-3, qwen-3.5)",
-    ("reasoning-effort-none", "smg+sglang"): "class 4: up to 4 tokens under (qwen-3, qwen-3.5)",
-    ("reasoning-effort-none", "vllm"): "class 4: up to 4 tokens under (qwen-3, qwen-3.5)",
-    ("reasoning-object-effort", "sglang"): "class 4: up to 4 tokens under (qwen-3, qwen-3.5)",
-    ("reasoning-object-effort", "smg+sglang"): "class 4: up to 4 tokens under (qwen-3, qwen-3.5)",
-    ("responses-escapes-repr", "sglang-0.5.9"): (
-        "class 8: up to 73 tokens under (deepseek-v3, glm-4, glm-4-32b-0414, "
-        "glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("responses-input-text-parts", "sglang-0.5.9"): (
-        "class 8: up to 12 tokens under (deepseek-v3, glm-4, glm-4-32b-0414, "
-        "glm-4.7-flash, qwen-3, qwen-3.5)"
-    ),
     ("role-Assistant", "sglang"): (
         "class 1: up to 207 tokens under (deepseek-v3, glm-4-32b-0414, glm-4.7-flash, "
         "minimax-m3, qwen-2.5, qwen-3)"
     ),
-    ("role-Developer", "sglang"): "class 1: up to 195 tokens under (minimax-m3)",
     ("role-SYSTEM", "sglang"): (
         "class 1: up to 195 tokens under (deepseek-v3, glm-4-32b-0414, glm-4.7-flash, "
         "minimax-m3, qwen-2.5, qwen-3)"
@@ -114,208 +57,10 @@ UNDER_TODAY: dict[tuple[str, str], str] = {
         "class 10: up to 398 tokens under (deepseek-v3, glm-4, glm-4-32b-0414, "
         "glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq)"
     ),
-    ("tool-key-order", "sglang"): (
-        "class 6: up to 300 tokens under (glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5)"
-    ),
-    ("tool-key-order", "smg+sglang"): (
-        "class 6: up to 300 tokens under (glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5)"
-    ),
-    ("tool-strict-defer", "sglang"): (
-        "class 6: up to 420 tokens under (glm-4-32b-0414, glm-4.7-flash, qwen-2.5, "
-        "qwen-3, qwen-3.5)"
-    ),
-    ("tool-strict-defer", "smg+sglang"): (
-        "class 6: up to 300 tokens under (glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5)"
-    ),
-    ("tool-strict-defer", "vllm"): (
-        "class 6: up to 160 tokens under (glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3, qwen-3.5)"
-    ),
-    ("tool-text-parts", "sglang"): (
-        "class 9: up to 87 tokens under (minimax-m3, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("tool-text-parts", "smg+sglang"): (
-        "class 9: up to 87 tokens under (minimax-m3, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("tool-text-parts", "vllm"): (
-        "class 9: up to 186 tokens under (minimax-m3, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("tool-text-parts-marker", "sglang"): (
-        "class 9: up to 119 tokens under (minimax-m3, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("tool-text-parts-marker", "smg+sglang"): (
-        "class 9: up to 119 tokens under (minimax-m3, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("tool-text-parts-marker", "vllm"): (
-        "class 9: up to 159 tokens under (minimax-m3, qwen2-vl-2b-instruct-awq)"
-    ),
-    ("tool-unknown-function-keys", "sglang"): (
-        "class 6: up to 10 tokens under (glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5)"
-    ),
-    ("tool-unknown-function-keys", "smg+sglang"): (
-        "class 6: up to 10 tokens under (glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5)"
-    ),
 }
-EXACT_MISMATCH_TODAY: dict[tuple[str, str], str] = {
-    ("add-generation-prompt-false", "sglang"): (
-        "class 3: deepseek-v3, glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("add-generation-prompt-false", "smg+sglang"): (
-        "class 3: deepseek-v3, glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("add-generation-prompt-false-assistant-last", "sglang"): (
-        "class 3: glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, "
-        "qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("add-generation-prompt-false-assistant-last", "smg+sglang"): (
-        "class 3: glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, "
-        "qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("assistant-reasoning-alias", "sglang"): "class 4: minimax-m3",
-    ("chat-add-special-tokens", "vllm"): "class sibling: glm-4",
-    ("chat-input-ids", "sglang"): "class sibling: minimax-m3",
-    ("chat-input-ids", "smg+sglang"): "class sibling: minimax-m3",
-    ("chat-kv-transfer-prompt-ids", "vllm"): "class sibling: minimax-m3",
-    ("completions-strings", "sglang"): "class sibling: deepseek-v3",
-    ("completions-strings", "smg+sglang"): "class sibling: deepseek-v3",
-    ("completions-strings", "vllm"): "class sibling: deepseek-v3",
-    ("final-assistant-plain-continue", "sglang"): (
-        "class 2: deepseek-v3, glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("final-assistant-plain-continue", "smg+sglang"): (
-        "class 2: deepseek-v3, glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("final-assistant-plain-continue", "vllm"): (
-        "class 2: deepseek-v3, minimax-m3, qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("final-assistant-reasoning", "sglang"): (
-        "class 2: deepseek-v3, glm-4.7-flash, minimax-m3, qwen-3, qwen-3.5"
-    ),
-    ("final-assistant-reasoning", "smg+sglang"): (
-        "class 2: deepseek-v3, glm-4.7-flash, minimax-m3, qwen-3, qwen-3.5"
-    ),
-    ("final-assistant-reasoning", "vllm"): "class 2: glm-4.7-flash, minimax-m3, qwen-3, qwen-3.5",
-    ("final-assistant-think", "sglang"): (
-        "class 2: deepseek-v3, glm-4.7-flash, minimax-m3, qwen-3, qwen-3.5"
-    ),
-    ("final-assistant-think", "smg+sglang"): (
-        "class 2: deepseek-v3, glm-4.7-flash, minimax-m3, qwen-3, qwen-3.5"
-    ),
-    ("final-assistant-think-continue", "sglang"): (
-        "class 2: deepseek-v3, glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("final-assistant-think-continue", "smg+sglang"): (
-        "class 2: deepseek-v3, glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("final-assistant-think-continue", "vllm"): (
-        "class 2: deepseek-v3, minimax-m3, qwen-2.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("final-assistant-tool-calls", "sglang"): (
-        "class 2: deepseek-v3, glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("final-assistant-tool-calls", "smg+sglang"): (
-        "class 2: deepseek-v3, glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("generate-texts", "sglang"): "class sibling: deepseek-v3",
-    ("numbers-tool-arguments", "sglang"): (
-        "class 5: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("numbers-tool-arguments", "smg+sglang"): (
-        "class 5: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("numbers-tool-arguments", "vllm"): "class 5: glm-4.7-flash",
-    ("numbers-tool-schema", "sglang"): (
-        "class 5: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("numbers-tool-schema", "smg+sglang"): (
-        "class 5: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("numbers-tool-schema", "vllm"): (
-        "class 5: glm-4-32b-0414, glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("reasoning-effort-none", "sglang"): "class 4: qwen-3, qwen-3.5",
-    ("reasoning-effort-none", "smg+sglang"): "class 4: qwen-3, qwen-3.5",
-    ("reasoning-effort-none", "vllm"): "class 4: qwen-3, qwen-3.5",
-    ("reasoning-object-effort", "sglang"): "class 4: qwen-3, qwen-3.5",
-    ("reasoning-object-effort", "smg+sglang"): "class 4: qwen-3, qwen-3.5",
-    ("responses-escapes-repr", "sglang-0.5.9"): (
-        "class 8: deepseek-v3, glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("responses-input-text-parts", "sglang-0.5.9"): (
-        "class 8: deepseek-v3, glm-4, glm-4-32b-0414, glm-4.7-flash, minimax-m3, "
-        "qwen-2.5, qwen-3, qwen-3.5, qwen2-vl-2b-instruct-awq"
-    ),
-    ("role-Assistant", "sglang"): "class 1: glm-4, minimax-m3",
-    ("role-Developer", "sglang"): "class 1: minimax-m3",
-    ("role-SYSTEM", "sglang"): "class 1: glm-4, minimax-m3, qwen2-vl-2b-instruct-awq",
-    ("role-System", "sglang"): "class 1: glm-4, minimax-m3, qwen2-vl-2b-instruct-awq",
-    ("role-Tool", "sglang"): "class 1: minimax-m3, qwen-2.5",
-    ("role-developer", "vllm"): "class 1: glm-4, qwen2-vl-2b-instruct-awq",
-    ("role-developer-after-system", "vllm"): "class 1: glm-4, qwen2-vl-2b-instruct-awq",
-    ("tool-call-id", "vllm"): "class sibling: glm-4.7-flash",
-    ("tool-calls-empty-last", "sglang"): "class 7: deepseek-v3, minimax-m3, qwen-3, qwen-3.5",
-    ("tool-calls-empty-last", "smg+sglang"): "class 7: deepseek-v3, minimax-m3, qwen-3, qwen-3.5",
-    ("tool-choice-named", "sglang"): (
-        "class sibling: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("tool-choice-named", "smg+sglang"): (
-        "class sibling: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("tool-choice-none", "sglang"): (
-        "class sibling: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("tool-choice-none", "smg+sglang"): (
-        "class sibling: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("tool-key-order", "sglang"): "class 6: glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5",
-    ("tool-key-order", "smg+sglang"): "class 6: glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5",
-    ("tool-strict-defer", "sglang"): (
-        "class 6: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("tool-strict-defer", "smg+sglang"): "class 6: glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5",
-    ("tool-strict-defer", "vllm"): (
-        "class 6: glm-4-32b-0414, glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("tool-text-parts", "sglang"): "class 9: glm-4.7-flash, minimax-m3, qwen2-vl-2b-instruct-awq",
-    ("tool-text-parts", "smg+sglang"): (
-        "class 9: glm-4.7-flash, minimax-m3, qwen2-vl-2b-instruct-awq"
-    ),
-    ("tool-text-parts", "vllm"): "class 9: glm-4.7-flash, minimax-m3, qwen2-vl-2b-instruct-awq",
-    ("tool-text-parts-marker", "sglang"): (
-        "class 9: glm-4.7-flash, minimax-m3, qwen2-vl-2b-instruct-awq"
-    ),
-    ("tool-text-parts-marker", "smg+sglang"): (
-        "class 9: glm-4.7-flash, minimax-m3, qwen2-vl-2b-instruct-awq"
-    ),
-    ("tool-text-parts-marker", "vllm"): (
-        "class 9: glm-4.7-flash, minimax-m3, qwen2-vl-2b-instruct-awq"
-    ),
-    ("tool-unknown-function-keys", "sglang"): (
-        "class 6: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("tool-unknown-function-keys", "smg+sglang"): (
-        "class 6: glm-4-32b-0414, glm-4.7-flash, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-    ("tool-unknown-function-keys", "vllm"): (
-        "class 6: glm-4-32b-0414, glm-4.7-flash, minimax-m3, qwen-2.5, qwen-3, qwen-3.5"
-    ),
-}
+EXACT_MISMATCH_TODAY: dict[tuple[str, str], str] = {}
 
 # Fuzz classes (oracles/fuzz.py) with violations today, fast form (4 examples per class on
 # one model per family) and slow form (every shipped template).
-FUZZ_FAST_TODAY: dict[str, str] = {
-    "roles": "class 1: SGLang lower-cases System/Assistant/Tool; up to 124 tokens under",
-    "final": "class 2: final assistant turned user or continued; 1 token under (GLM), "
-    "exact over-counts elsewhere",
-    "numbers": "class 5/6: SGLang's orjson floats and dumped tool fields; up to 16 under",
-    "tools": "class 6/7: SGLang dumps null description/defer_loading; up to 10 under",
-    "parts": "class 9: joined tool text parts; 1 token under (Qwen2-VL, MiniMax-M3)",
-}
+FUZZ_FAST_TODAY: dict[str, str] = {}
 FUZZ_SLOW_TODAY: dict[str, str] = dict(FUZZ_FAST_TODAY)
