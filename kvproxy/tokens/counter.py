@@ -255,9 +255,10 @@ class TokenCounter:
             plans = await self._offload(self._plan, shape)
             decided = self._on_bound(plans, admit_at_most, total_at_most)
             if decided is None:
-                # Off the loop too: reading a large body's features parses its tool-call
-                # argument strings.
-                decided = await self._offload(self._gated, shape, plans)
+                # On the loop: reading features is bounded work (tokens.features caps the
+                # strings it parses and the values it walks); a thread hop here measurably
+                # stalled the loop more than the read itself.
+                decided = self._gated(shape, plans)
             if decided is not None:
                 return decided
             if any(p.framed for p in plans):

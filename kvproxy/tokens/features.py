@@ -59,6 +59,13 @@ Feature = str
 # Largest integer a float64 holds exactly: a router that re-serialises numbers as 64-bit
 # floats (smg, facts/ENGINES.md) prints anything beyond it differently.
 EXACT_INT = 2**53
+# The feature read runs on the event loop: tool-call argument strings longer than this are
+# not parsed and values are walked at most this many at a time. Past either, the numbers
+# are taken to be there (number:float and number:big_int): unverified, decided by the
+# bound. A 64 KiB json.loads costs well under a millisecond.
+MAX_PARSED_ARGS_CHARS = 65_536
+MAX_WALKED_VALUES = 50_000
+_BOTH_NUMBERS = ("number:float", "number:big_int")
 
 PLAIN_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _MAPPED_ROLES = {"developer": "role:developer", "function": "role:function"}
@@ -330,6 +337,9 @@ def _tool_calls(calls: Any, role: Any, out: set[Feature]) -> None:
         args = fn.get("arguments")
         if isinstance(args, str):
             out.add("tool_calls:args_string")
+            if len(args) > MAX_PARSED_ARGS_CHARS:
+                out.update(_BOTH_NUMBERS)
+                continue
             try:
                 # Both engines parse the string (json or orjson): its numbers reach the
                 # template re-serialised, so they are features like any other number.
@@ -378,6 +388,9 @@ def _numbers(value: Any, out: set[Feature]) -> None:
     while pending:
         item = pending.pop()
         steps += 1
+        if steps > MAX_WALKED_VALUES:
+            out.update(_BOTH_NUMBERS)
+            return
         if isinstance(item, bool) or item is None or isinstance(item, str):
             continue
         if isinstance(item, float):

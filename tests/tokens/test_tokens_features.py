@@ -290,3 +290,16 @@ def test_any_json_gets_features_from_the_closed_vocabulary(
     got = request_features(route, body)
     assert got <= FEATURES
     assert f"route:{route}" in got
+
+
+def test_the_read_is_bounded_and_fails_towards_unverified() -> None:
+    """Past the parse and walk caps the numbers are assumed, never ignored."""
+    from kvproxy.tokens.features import MAX_PARSED_ARGS_CHARS, MAX_WALKED_VALUES
+
+    big_args = '{"s": "' + "x" * MAX_PARSED_ARGS_CHARS + '"}'
+    call = {"id": "c", "function": {"name": "f", "arguments": big_args}}
+    got = feats(with_message({"role": "assistant", "content": None, "tool_calls": [call]}))
+    assert {"number:float", "number:big_int"} <= got
+    wide = {**PLAIN, "documents": [{"n": 1}] * (MAX_WALKED_VALUES + 1)}
+    assert {"number:float", "number:big_int"} <= feats(wide)
+    assert not {"number:float", "number:big_int"} & feats({**PLAIN, "documents": [{"n": 1}]})
