@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from kvproxy.models_config import ModelSpec
 
 MIB = 1024 * 1024
+RouterSetting = Literal["auto", "none", "smg", "sglang-router", "vllm-router"]
 
 
 class EngineSpec(BaseModel):
@@ -170,6 +171,11 @@ class Settings(BaseSettings):
 
     # --- tokens and admission ------------------------------------------------------------
     tokenizer: str = "bytes"
+    # What sits between kvproxy and the engines: it decides which request features the
+    # exact count is verified for (kvproxy.tokens.verified). auto probes the upstream
+    # (kvproxy.capacity.router); until that succeeds, only what holds behind every router
+    # is verified.
+    router_kind: RouterSetting = "auto"
     chat_template: str | None = None
     count_timeout_s: float = Field(default=10.0, gt=0)
     count_concurrency: int = Field(default=2, ge=1)

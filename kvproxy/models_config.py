@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvproxy.config import EngineSpec, check_tokenizer, check_upstream
+from kvproxy.config import EngineSpec, RouterSetting, check_tokenizer, check_upstream
 
 if TYPE_CHECKING:
     from kvproxy.config import Settings
@@ -64,6 +64,8 @@ class ModelSpec(BaseModel):
     budget_pool: str | None = Field(default=None, min_length=1, max_length=128)
     # Its own router; unset: the top-level `upstream` (one router serving every model).
     upstream: str | None = None
+    # What that router is; unset: the top-level `router_kind`.
+    router_kind: RouterSetting | None = None
 
     @field_validator("aliases")
     @classmethod
@@ -123,6 +125,7 @@ def model_settings(s: Settings) -> list[tuple[ModelSpec | None, Settings]]:
         update = {f: getattr(spec, f) for f in PER_MODEL_FIELDS}
         update["budget_pool"] = spec.budget_pool or spec.name
         update["upstream"] = spec.upstream or s.upstream
+        update["router_kind"] = spec.router_kind or s.router_kind
         # Validated field by field above (ModelSpec) and as a whole by check_models; the
         # copy itself re-runs no validator.
         out.append((spec, s.model_copy(update=update)))
