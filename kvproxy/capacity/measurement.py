@@ -121,6 +121,9 @@ class EngineMeasurement:
     # Version, transfer backend, KV checksum, failure counters (kvproxy.posture); None for
     # engines whose reports carry none of it.
     posture: EnginePosture | None = None
+    # The engine's own version string (SGLang `/server_info` `version`, vLLM `/version`):
+    # the verified-feature table is read for it (kvproxy.tokens.verified). None: not reported.
+    version: str | None = None
 
     @property
     def source(self) -> Source:
@@ -160,5 +163,6 @@ class EngineMeasurement:
             "notes": list(self.notes),
             "fields": {"present": list(self.fields_present), "absent": list(self.fields_absent)},
             "posture": self.posture.to_json() if self.posture is not None else None,
+            "version": self.version,
             "measured_at": self.measured_at,
         }

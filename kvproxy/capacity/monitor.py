@@ -36,14 +36,19 @@ from kvproxy.capacity.limits import Limits, limits_for
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError, Role
 from kvproxy.capacity.posture import PostureTracker
 from kvproxy.capacity.probes import probe_engine
+from kvproxy.capacity.router import Detection, detect_router
 from kvproxy.config import IMPLICIT_MODEL, EngineSpec, Settings
 from kvproxy.observe import Metrics
+from kvproxy.tokens import Verifier
 
 log = logging.getLogger("kvproxy.capacity")
 
 # Refresh period is jittered by +-10% so that many proxies in front of the same engines
 # do not poll them in lock-step.
 JITTER = 0.1
+# A detected router is asked again after this long (a router is replaced rarely; an
+# undetected one is asked at every refresh).
+ROUTER_RECHECK_S = 300.0
 
 
 @dataclass
@@ -78,8 +83,12 @@ class CapacityMonitor:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         model: str = IMPLICIT_MODEL,
+        verifier: Verifier | None = None,
     ) -> None:
         self._settings = settings
+        # Fed each refresh's engine versions and the detected router (kvproxy.tokens.verified).
+        self.verifier = verifier
+        self._router_checked_mono: float | None = None
         # The `model` label of the limit gauges (kvproxy.serve.models: one monitor per model).
         self._model = model
         self._metrics = metrics
@@ -175,6 +184,9 @@ class CapacityMonitor:
             await self._discover()
             states = list(self._engines.values())
             await asyncio.gather(*(self._probe(st) for st in states))
+            # After the probes: the versions they found decide whether the router matters.
+            self._observe(None)
+            self._observe(await self._detect_router())
             self._refreshes += 1
             self.posture.update(
                 (st.label, st.spec.role, st.spec.kind,
@@ -184,6 +196,49 @@ class CapacityMonitor:
             self._last_refresh_at = self._wall()
             self._recompute(self._clock())
             return self._limits
+
+    async def _detect_router(self) -> Detection | None:
+        """Under router_kind auto: ask the upstream what it is, when due and when the answer
+        could change what is verified (`Verifier.router_matters`). A configured kind is
+        checked once, and only logged when the upstream looks like something else."""
+        if self.verifier is None or self._session is None or not self.verifier.router_matters():
+            return None
+        now = self._clock()
+        auto = self._settings.router_kind == "auto"
+        last = self._router_checked_mono
+        if last is not None and (not auto or (
+            self.verifier.router is not None and now - last < ROUTER_RECHECK_S
+        )):  # fmt: skip
+            return None
+        self._router_checked_mono = now
+        try:
+            detection = await detect_router(
+                self._session, self._settings.upstream, self._settings.capacity_probe_timeout_s
+            )
+        except Exception:  # a detection bug must not stop measuring: undetected
+            log.exception("capacity: router detection crashed")
+            return None
+        kind, why = detection
+        if not auto and kind is not None and kind != self._settings.router_kind:
+            log.warning(
+                "router_kind is %s but the upstream looks like %s (%s): the verified features "
+                "follow the setting", self._settings.router_kind, kind, why,
+            )  # fmt: skip
+        return detection
+
+    def _observe(self, detection: Detection | None) -> None:
+        verifier = self.verifier
+        if verifier is None:
+            return
+        engines = [
+            (st.spec.kind, st.measurement.version if st.measurement is not None else None)
+            for st in self._engines.values()
+        ]
+        if verifier.observe(engines, detection):
+            log.info(
+                "verification: the exact count may admit %d request features on %s (%s)",
+                len(verifier.verified()), verifier.describe(), verifier.router_evidence,
+            )  # fmt: skip
 
     async def _discover(self) -> None:
         timeout_s = self._settings.capacity_probe_timeout_s
@@ -413,6 +468,7 @@ class CapacityMonitor:
             "retry_after_s": self.retry_after_s(),
             "now": wall,
             "posture": self.posture.snapshot_json(),
+            "verification": self.verifier.to_json() if self.verifier is not None else None,
         }
 
 

@@ -285,6 +285,7 @@ def measure_sglang(
         fields_present=tuple(args.present),
         fields_absent=tuple(args.absent),
         posture=read_posture(server_info, failure_counters(metrics_text)),
+        version=v if isinstance(v := server_info.get("version"), str) else None,
     )
 
 

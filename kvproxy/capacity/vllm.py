@@ -14,7 +14,9 @@ engine. Series that mix the two leave the DP size unknown, and the probe refuses
 vLLM refuses to start when max_model_len exceeds one engine's pool
 (v1/core/kv_cache_utils.py), so the context binds in practice; the per-engine pool keeps
 `/capacity`, the warnings and the release gate's table honest.
-The context is `/v1/models` `data[].max_model_len`. Both endpoints are required.
+The context is `/v1/models` `data[].max_model_len`. Both endpoints are required. `/version`
+is asked alongside and never fails the probe: it names the engine version the verified-feature
+table is read for (kvproxy.tokens.verified); absent, nothing version-specific is verified.
 
 The arithmetic lives in `limits.vllm_limits`.
 
@@ -53,6 +55,7 @@ def measure_vllm(
     models: Mapping[str, Any],
     *,
     measured_at: float | None = None,
+    version: str | None = None,
 ) -> EngineMeasurement:
     """Pure: recorded `/metrics` text and `/v1/models` JSON in, one measurement out."""
     found = Findings()
@@ -173,7 +176,18 @@ def measure_vllm(
         notes=tuple(found.notes),
         fields_present=tuple(present),
         fields_absent=tuple(absent),
+        version=version,
     )
+
+
+async def _version(session: aiohttp.ClientSession, base: str, timeout_s: float) -> str | None:
+    """`GET /version` (vLLM's api_server), or None on any failure: optional."""
+    try:
+        data = await fetch_json(session, f"{base}/version", timeout_s)
+    except ProbeError:
+        return None
+    version = data.get("version")
+    return version if isinstance(version, str) else None
 
 
 async def probe_vllm(
@@ -182,11 +196,16 @@ async def probe_vllm(
     base = spec.url.rstrip("/")
     metrics = asyncio.ensure_future(fetch_text(session, f"{base}/metrics", timeout_s))
     models = asyncio.ensure_future(fetch_json(session, f"{base}/v1/models", timeout_s))
+    # Half the budget, as SGLang's optional cross-checks: a hanging /version cannot time the
+    # whole probe out.
+    version = asyncio.ensure_future(_version(session, base, timeout_s / 2))
+    tasks = (metrics, models, version)
     try:
         metrics_text, models_json = await asyncio.gather(metrics, models)
+        engine_version = await version
     finally:
-        for task in (metrics, models):
+        for task in tasks:
             if not task.done():
                 task.cancel()
-        await asyncio.gather(metrics, models, return_exceptions=True)
-    return measure_vllm(spec, metrics_text, models_json)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return measure_vllm(spec, metrics_text, models_json, version=engine_version)

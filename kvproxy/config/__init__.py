@@ -5,7 +5,7 @@ A model's own settings (engines, tokenizer, template, declared context, budget) 
 `Settings.for_model(spec)` gives each its complete settings.
 """
 
-from kvproxy.config.models import IMPLICIT_MODEL, EngineSpec, ModelSpec
+from kvproxy.config.models import IMPLICIT_MODEL, EngineSpec, ModelSpec, RouterSetting
 from kvproxy.config.settings import (
     CanaryTenant,
     ConfigError,
@@ -20,6 +20,7 @@ __all__ = [
     "ConfigError",
     "EngineSpec",
     "ModelSpec",
+    "RouterSetting",
     "Settings",
     "load_settings",
     "split_host_port",

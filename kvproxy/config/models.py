@@ -31,6 +31,8 @@ from kvproxy.policy import parse_origin
 NAME_PATTERN = r"^[^\s\x00-\x1f]{1,128}$"
 # The name of the one model of the single-model form (its `model` metric label).
 IMPLICIT_MODEL = "default"
+# What sits between kvproxy and the engines (kvproxy.tokens.verified): auto detects it.
+RouterSetting = Literal["auto", "none", "smg", "sglang-router", "vllm-router"]
 
 
 class EngineSpec(BaseModel):
@@ -119,6 +121,8 @@ class ModelSpec(ModelFields):
     aliases: tuple[str, ...] = ()
     # Its own router; unset: the top-level `upstream` (one router serving every model).
     upstream: str | None = None
+    # What that router is; unset: the top-level `router_kind`.
+    router_kind: RouterSetting | None = None
 
     @field_validator("aliases")
     @classmethod

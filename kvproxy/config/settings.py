@@ -42,6 +42,7 @@ from kvproxy.config.models import (
     PER_MODEL_FIELDS,
     ModelFields,
     ModelSpec,
+    RouterSetting,
     check_entries,
     check_upstream,
 )
@@ -124,6 +125,11 @@ class Settings(ModelFields, BaseSettings):
     posture_action: Literal["warn", "not_ready"] = "warn"
 
     # --- tokens and admission (the tokenizer and chat template: ModelFields) -------------
+    # What sits between kvproxy and the engines: it decides which request features the
+    # exact count is verified for (kvproxy.tokens.verified). auto probes the upstream
+    # (kvproxy.capacity.router); until that succeeds, only what holds behind every router
+    # is verified. A models entry may name its own.
+    router_kind: RouterSetting = "auto"
     count_timeout_s: float = Field(default=10.0, gt=0)
     count_concurrency: int = Field(default=2, ge=1)
     image_tokens: int = Field(default=16384, ge=0)
@@ -260,6 +266,7 @@ class Settings(ModelFields, BaseSettings):
             return self
         update: dict[str, Any] = {f: getattr(spec, f) for f in PER_MODEL_FIELDS}
         update["upstream"] = spec.upstream or self.upstream
+        update["router_kind"] = spec.router_kind or self.router_kind
         return self.model_copy(update=update)
 
     def redis_password_value(self) -> str | None:

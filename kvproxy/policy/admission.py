@@ -176,11 +176,22 @@ def decide(count: TokenCount, shape: ShapeView, limits: LimitsView, policy: Poli
 
     if count.tokens > limit:
         why = limits.why
-        if not count.exact and not count.at_least:
+        if count.unverified:
+            # The exact count was withheld (tokens.verified): say which features forced the
+            # bound, so the client can send a plain body and the operator can see why.
+            why += "; " + errors.unverified_note(count.unverified, count.verified_for)
+        elif not count.exact and not count.at_least:
             why += "; counted by a byte bound, configure KVPROXY_TOKENIZER for exact counts"
         return Reject(
             errors.context_length_exceeded(
-                count.tokens, limit, limits.source, shape.prompt_param, why, at_least=count.at_least
+                count.tokens,
+                limit,
+                limits.source,
+                shape.prompt_param,
+                why,
+                at_least=count.at_least,
+                kind=count.kind,
+                unverified=count.unverified,
             )
         )
 
@@ -197,7 +208,12 @@ def decide(count: TokenCount, shape: ShapeView, limits: LimitsView, policy: Poli
     if count.tokens > room.ceiling:
         return Reject(
             errors.decode_budget_exceeded(
-                count.tokens, room.needed_output, room.decode_limit, limits.source
+                count.tokens,
+                room.needed_output,
+                room.decode_limit,
+                limits.source,
+                kind=count.kind,
+                unverified=count.unverified,
             )
         )
     if (

@@ -11,6 +11,7 @@ Tree of what a request can end in, besides a relayed upstream response:
     ├── rejections (I7: nothing was sent upstream)
     │   ├── context_length_exceeded   400   context_length_exceeded     context_length
     │   ├── decode_budget_exceeded    400   context_length_exceeded     decode_budget
+    │   ├── unverified_unbounded      400   context_length_exceeded     context_length
     │   ├── invalid_request           400   invalid_request             invalid_request
     │   ├── body_too_large            413   request_too_large           body_too_large
     │   ├── request_head_too_large    431   request_header_fields_too_large request_head
@@ -128,6 +129,33 @@ def sse_error_event(err: KvproxyError, style: ErrorStyle) -> bytes:
 # --- constructors: the one definition of each outcome ------------------------------------
 
 
+# Why a count is what it is, in an error body's `count_reason` (beside `prompt_tokens_kind`):
+#   unverified_feature  the request uses a feature the exact count is not verified for on
+#                       these engines and router (tokens.verified): decided by the bound;
+#                       `unverified_features` lists them (names from a closed vocabulary).
+UNVERIFIED_FEATURE = "unverified_feature"
+
+
+def count_fields(kind: str | None, unverified: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The error-body fields that say what the prompt count is and, for a bound the
+    verified table forced, which features forced it."""
+    out: dict[str, Any] = {}
+    if kind is not None:
+        out["prompt_tokens_kind"] = kind
+    if unverified:
+        out["count_reason"] = UNVERIFIED_FEATURE
+        out["unverified_features"] = list(unverified)
+    return out
+
+
+def unverified_note(unverified: tuple[str, ...], where: str) -> str:
+    """The message clause naming the features that forced the bound."""
+    return (
+        f"counted by the guaranteed upper bound: the request uses {', '.join(unverified)}, "
+        f"which kvproxy's exact count is not verified for on {where}"
+    )
+
+
 def context_length_exceeded(
     prompt_tokens: int,
     limit_tokens: int,
@@ -136,6 +164,8 @@ def context_length_exceeded(
     why: str,
     *,
     at_least: bool = False,
+    kind: str | None = None,
+    unverified: tuple[str, ...] = (),
 ) -> KvproxyError:
     # at_least: counting stopped once the prompt was over the limit, so the number is a floor.
     size = f"at least {prompt_tokens:,}" if at_least else f"{prompt_tokens:,}"
@@ -152,12 +182,37 @@ def context_length_exceeded(
             "prompt_tokens": prompt_tokens,
             "limit_tokens": limit_tokens,
             "limit_source": limit_source,
+            **count_fields(kind, unverified),
         },
     )
 
 
+def unverified_unbounded(unverified: list[str], where: str, param: str) -> KvproxyError:
+    """A request the exact count may not admit (unverified features) and whose tokenizer
+    has no guaranteed bound: nothing can show it fits, so it is refused (I1)."""
+    return KvproxyError(
+        status=400,
+        code="context_length_exceeded",
+        reason="context_length",
+        param=param,
+        message=(
+            f"the prompt's size cannot be established: the request uses {', '.join(unverified)}, "
+            f"which kvproxy's exact count is not verified for on {where}, and the configured "
+            "tokenizer has no guaranteed upper bound. Send a plain chat or configure a "
+            "tokenizer with a byte bound."
+        ),
+        extra=count_fields(None, tuple(unverified)),
+    )
+
+
 def decode_budget_exceeded(
-    prompt_tokens: int, output_tokens: int, decode_limit: int, limit_source: str
+    prompt_tokens: int,
+    output_tokens: int,
+    decode_limit: int,
+    limit_source: str,
+    *,
+    kind: str | None = None,
+    unverified: tuple[str, ...] = (),
 ) -> KvproxyError:
     return KvproxyError(
         status=400,
@@ -174,6 +229,7 @@ def decode_budget_exceeded(
             "output_tokens": output_tokens,
             "limit_tokens": decode_limit,
             "limit_source": limit_source,
+            **count_fields(kind, unverified),
         },
     )
 

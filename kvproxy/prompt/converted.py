@@ -37,12 +37,14 @@ def parse(route: Route, data: Mapping[str, Any], body_bytes: int) -> PromptShape
         stream = data.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise invalid_request("stream must be a boolean", "stream")
-        return PromptShape(route, (seq,), out, 1, bool(stream), body_bytes, param)
+        return PromptShape(route, (seq,), out, 1, bool(stream), body_bytes, param, body=data)
     parser = PROMPT_ONLY.get(route)
     if parser is None:  # a programming error: the route table names a route with no parser
         raise invalid_request(f"route {route} has no parser", None)
     prompts, param = parser(data)
-    return PromptShape(route, prompts, None, 1, False, body_bytes, param, generates=False)
+    return PromptShape(
+        route, prompts, None, 1, False, body_bytes, param, generates=False, body=data
+    )
 
 
 # --- /v1/responses -------------------------------------------------------------------------

@@ -68,6 +68,7 @@ def parse_request(route: Route, body: bytes) -> PromptShape:
         stream=bool(stream),
         body_bytes=len(body),
         prompt_param=param,
+        body=data,
     )
 
 

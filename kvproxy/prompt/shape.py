@@ -77,6 +77,10 @@ class PromptShape:
     prompt_param: str
     # False for prompt-only routes (embeddings, rerank, ...): no output, so no decode budget.
     generates: bool = True
+    # The parsed JSON body as the client sent it: the counter reads its features
+    # (tokens.features) when an exact count is needed, and vLLM's /tokenize gets the
+    # client's own chat fields from it (tokens.engine).
+    body: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def text_chars(self) -> int:

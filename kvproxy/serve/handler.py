@@ -275,6 +275,8 @@ async def admit(ctx: RequestContext) -> Stop | None:
         return err
     metrics.admission_duration.labels(count.method).observe(time.perf_counter() - t0)
     metrics.prompt_tokens.labels(count.method, svc.name).observe(count.tokens)
+    for feature in count.unverified:  # names from a closed vocabulary, never content (I8)
+        metrics.unverified_features.labels(feature, svc.name).inc()
     ctx.prompt_tokens = count.tokens
     ctx.count_method = count.method
     ctx.prompt_tokens_kind = count.kind

@@ -215,7 +215,7 @@ async def build_table(
                     settings=ms,
                     # After the counter: a start that fails on the tokenizer says only
                     # that, not the posture line the monitor logs when it is built.
-                    capacity=CapacityMonitor(ms, metrics, model=name),
+                    capacity=CapacityMonitor(ms, metrics, model=name, verifier=c.verifier),
                     counter=c,
                     budget=build_budget(ms, metrics, name),
                 )

@@ -40,6 +40,7 @@ from kvproxy.tokens.engine import (
 from kvproxy.tokens.fast import load_hf_counting
 from kvproxy.tokens.local import load_hf, load_tiktoken, release_load_garbage
 from kvproxy.tokens.templates import ChatTemplate, load_template
+from kvproxy.tokens.verified import RouterKind, Verifier
 
 
 def build_counter(
@@ -100,6 +101,7 @@ def _counter(
 ) -> TokenCounter:
     if template is not None:
         template.engines = engine_kinds(settings)
+    kwargs.setdefault("verifier", build_verifier(settings))
     return TokenCounter(
         bound_rule=rule,
         template=template,
@@ -109,6 +111,12 @@ def _counter(
         count_concurrency=settings.count_concurrency,
         **kwargs,
     )
+
+
+def build_verifier(settings: Settings) -> Verifier:
+    """The verified-feature view of `settings`' engines and router (tokens.verified); the
+    capacity monitor feeds it the measured versions and the detected router."""
+    return Verifier([e.kind for e in settings.engines], settings.router_kind)
 
 
 def engine_kinds(settings: Settings) -> tuple[EngineKind, ...]:
@@ -142,9 +150,12 @@ __all__ = [
     "EngineTokenize",
     "EngineTokenizeRequest",
     "EngineTokenizer",
+    "RouterKind",
     "TokenCount",
     "TokenCounter",
+    "Verifier",
     "build_counter",
+    "build_verifier",
     "engine_kinds",
     "load_hf",
     "load_tiktoken",

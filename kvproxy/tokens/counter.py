@@ -18,6 +18,13 @@ measured template overhead when no template is known). Then:
      not the number; the `X-Kvproxy-Prompt-Tokens-Kind` header says which the number is;
   3. no exact method configured (`bytes`): return the bound; the caller rejects on it.
 
+The exact count admits only where its model is verified: before counting exactly, the
+request's features (`tokens.features`) are checked against the verified table for the
+engines and router in front (`tokens.verified.Verifier`). A request using any unverified
+feature is decided by the guaranteed bound alone; its `TokenCount` names the features, so a
+rejection says which one forced the bound. A tokenizer family with no guaranteed bound
+cannot decide such a request at all: it is refused (`errors.unverified_unbounded`).
+
 Failure is closed: a count that fails or outlives `count_timeout_s` raises
 `count_unavailable` (503), never a guess. At most `count_concurrency` counts use threads or
 the engine at once; a timed-out thread keeps its slot until it really ends, so abandoned
@@ -45,10 +52,12 @@ from kvproxy.prompt import PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
-from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest
+from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest, client_chat_fields
+from kvproxy.tokens.features import request_features
 from kvproxy.tokens.frames import frames_for
 from kvproxy.tokens.local import EarlyStopping, LocalTokenizer, Partial
 from kvproxy.tokens.templates import ChatTemplate
+from kvproxy.tokens.verified import Method, Verifier
 
 T = TypeVar("T")
 
@@ -103,6 +112,7 @@ class TokenCounter:
         count_concurrency: int = 2,
         description: str = "",
         backend: str | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         if local is not None and engine is not None:
             raise ValueError("a counter uses a local tokenizer or the engine, not both")
@@ -125,6 +135,8 @@ class TokenCounter:
             initializer=_lower_thread_priority,
         )
         self._description = description
+        # None: every request's exact count may admit (tests that build a bare counter).
+        self.verifier = verifier
         self.method: CountMethod = "exact" if local else ("engine" if engine else "bound")
         # Off only in benchmarks that time a whole count (bench/decision_latency.py).
         self.early_stop = True
@@ -170,6 +182,8 @@ class TokenCounter:
                 # nothing for a timeout to bound (entering one costs ~4 us per request).
                 plans = self._plan(shape)
                 decided = self._on_bound(plans, admit_at_most, total_at_most)
+                if decided is None:
+                    decided = self._gated(shape, plans)
                 if decided is not None:
                     return decided
             async with asyncio.timeout(self._timeout_s):
@@ -190,6 +204,40 @@ class TokenCounter:
             return TokenCount(bound, "bound", exact=False, total_tokens=total, bound=bound)
         return None
 
+    def _count_method(self, shape: PromptShape) -> Method:
+        """How an exact count of this shape would be made: vLLM's /tokenize renders a chat
+        from the client's own fields; everything else is kvproxy's replica render."""
+        engine = self._engine
+        if engine is not None and engine.accepts_messages and shape.route == "chat":
+            return "engine"
+        return "replica"
+
+    def _gated(self, shape: PromptShape, plans: list[_Plan]) -> TokenCount | None:
+        """The bound's decision when the request uses a feature outside the verified table
+        (the exact count may not admit it), else None: count exactly."""
+        verifier = self.verifier
+        if verifier is None or self.method == "bound":
+            return None
+        unverified = verifier.unverified(
+            request_features(shape.route, shape.body), self._count_method(shape)
+        )
+        if not unverified:
+            return None
+        where = verifier.describe()
+        if not self._trust_bound:
+            raise errors.unverified_unbounded(unverified, where, shape.prompt_param)
+        bound = max(p.bound for p in plans)
+        total = sum(p.bound for p in plans)
+        return TokenCount(
+            bound,
+            "bound",
+            exact=False,
+            total_tokens=total,
+            bound=bound,
+            unverified=tuple(unverified),
+            verified_for=where,
+        )
+
     def _unframed(self, plans: list[_Plan]) -> list[_Plan]:
         # Near the limit: the decision rests on the template's own render.
         return [self._plan_chat(p.seq, framed=False) if p.framed else p for p in plans]
@@ -204,6 +252,11 @@ class TokenCounter:
         if plans is None:  # a large shape: planned (and rendered) off the loop
             plans = await self._offload(self._plan, shape)
             decided = self._on_bound(plans, admit_at_most, total_at_most)
+            if decided is None:
+                # On the loop: reading features is bounded work (tokens.features caps the
+                # strings it parses and the values it walks); a thread hop here measurably
+                # stalled the loop more than the read itself.
+                decided = self._gated(shape, plans)
             if decided is not None:
                 return decided
             if any(p.framed for p in plans):
@@ -214,7 +267,7 @@ class TokenCounter:
         if self._local is not None:
             counted = await self._offload(self._exact_local, plans, admit_at_most)
         else:
-            counts = await asyncio.gather(*(self._exact_engine(p) for p in plans))
+            counts = await asyncio.gather(*(self._exact_engine(p, shape) for p in plans))
             counted = [Partial(n, "exact" if e else "upper") for n, e in counts]
         over = [c.tokens for c in counted if c.kind == "lower"]
         if over:
@@ -305,7 +358,8 @@ class TokenCounter:
                 tools = local.count((p.seq.tools_json,))[0] if p.seq.tools else None
                 n += bounds.chat_overhead_bound(p.seq.message_count, tools)
                 n += _unseen_bytes(p.seq)
-            kind = got.kind if p.exact or got.kind == "lower" else "upper"
+            exact = p.exact and (p.chat or getattr(local, "special_tokens_exact", True))
+            kind = got.kind if exact or got.kind == "lower" else "upper"
             out.append(Partial(n, kind))
             if kind == "lower":
                 break  # the request is over the limit: the other sequences cannot change it
@@ -330,10 +384,15 @@ class TokenCounter:
         n, exact = local.count(p.texts)
         return Partial(n, "exact" if exact else "upper")
 
-    async def _exact_engine(self, plan: _Plan) -> tuple[int, bool]:
+    async def _exact_engine(self, plan: _Plan, shape: PromptShape) -> tuple[int, bool]:
         engine = self._engine
         assert engine is not None
         try:
+            if plan.chat and self._count_method(shape) == "engine":
+                # The engine normalises and renders the chat itself: it gets the client's
+                # own fields, so the count is the engine's by construction (tokens.engine).
+                req = EngineTokenizeRequest(fields=client_chat_fields(shape.body))
+                return await engine(req) + plan.fixed, plan.fixed == 0
             if not plan.chat:
                 counts = [
                     await engine(EngineTokenizeRequest(prompt=t, add_special_tokens=True))

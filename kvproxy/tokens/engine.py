@@ -1,8 +1,11 @@
 """The engine's own tokenizer, over HTTP: `POST /tokenize` on an SGLang or vLLM engine.
 
-vLLM's `/tokenize` accepts chat `messages` and applies the model's template itself; SGLang's
-accepts only `prompt` (facts/ENGINES.md), so for SGLang the counter renders the template
-locally and sends the rendered string with `add_special_tokens: false`.
+vLLM's `/tokenize` accepts chat `messages` and applies the model's template itself, with the
+same normalisation and renderer as its chat completions: the counter sends it the *client's*
+own chat fields (`client_chat_fields`), never kvproxy's normalised ones, so the count is the
+engine's by construction. SGLang's accepts only `prompt` (facts/ENGINES.md), so for SGLang
+the counter renders the template locally and sends the rendered string with
+`add_special_tokens: false` (that render is kvproxy's replica: tokens.verified gates it).
 
 The reply carries every token id (a 1 M-token prompt answers ~7 MB): parsing that with
 orjson would hold the GIL on the event loop for ~10-20 ms, so large replies are searched
@@ -16,6 +19,7 @@ engine (that is their job); nothing here logs it.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -26,11 +30,30 @@ EngineKind = Literal["sglang", "vllm"]
 # Replies under this size are parsed; above it only the count field is read.
 PARSE_REPLY_BYTES = 256 * 1024
 _COUNT = re.compile(rb'"count"\s*:\s*(\d+)')
+# The chat fields vLLM's /tokenize takes and renders as its chat completions do
+# (vllm/entrypoints/serve/tokenize/protocol.py TokenizeChatRequest). Everything else the
+# client sent is left out: a field /tokenize would not render is a feature the verified
+# table does not list for this path, so such a request never gets here (tokens.verified).
+VLLM_TOKENIZE_CHAT_FIELDS = (
+    "messages",
+    "tools",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+)
+
+
+def client_chat_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's own chat fields for vLLM's /tokenize, exactly as sent (absent ones stay
+    absent: the engine applies its own defaults)."""
+    return {k: body[k] for k in VLLM_TOKENIZE_CHAT_FIELDS if k in body}
 
 
 @dataclass(frozen=True, slots=True)
 class EngineTokenizeRequest:
-    """Exactly one of `prompt` or `messages`."""
+    """Exactly one of `prompt`, `messages` (kvproxy's own messages) or `fields` (the
+    client's chat fields, sent as they are)."""
 
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -38,10 +61,17 @@ class EngineTokenizeRequest:
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    fields: Mapping[str, Any] | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None or self.fields is not None
 
     def body(self) -> bytes:
         payload: dict[str, Any]
-        if self.messages is not None:
+        if self.fields is not None:
+            payload = dict(self.fields)
+        elif self.messages is not None:
             payload = {
                 "messages": self.messages,
                 "add_generation_prompt": self.add_generation_prompt,
@@ -85,7 +115,7 @@ class EngineTokenizer:
         return f"engine /tokenize at {self._url} ({self.kind})"
 
     async def __call__(self, request: EngineTokenizeRequest) -> int:
-        if request.messages is not None and not self.accepts_messages:
+        if request.is_chat and not self.accepts_messages:
             raise EngineTokenizeError(f"{self.kind} /tokenize does not accept messages")
         async with self._session.post(
             self._url, data=request.body(), headers={"Content-Type": "application/json"}
