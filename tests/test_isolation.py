@@ -119,8 +119,11 @@ def test_reply_parsing_recognises_a_withheld_stream_and_errors() -> None:
     reply = parse_reply(400, {"Content-Type": "application/json"}, rejected)
     assert reply.code == "context_length_exceeded"
     assert reply.texts == []
-    sglang = json.dumps({"object": "error", "kvproxy_code": "capacity_unknown"}).encode()
-    assert parse_reply(503, {}, sglang).code == "capacity_unknown"
+    # SGLang's native shape has no code field: kvproxy's header carries it.
+    sglang = json.dumps({"error": {"message": "capacity unknown"}}).encode()
+    assert parse_reply(503, {"X-Kvproxy-Error-Code": "capacity_unknown"}, sglang).code == (
+        "capacity_unknown"
+    )
 
 
 def test_the_summary_says_what_a_pass_does_not_prove() -> None:
