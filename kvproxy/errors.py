@@ -166,7 +166,8 @@ def decode_budget_exceeded(
         message=(
             f"prompt ({prompt_tokens:,} tokens) plus requested output ({output_tokens:,} "
             f"tokens) is {prompt_tokens + output_tokens:,}; the decode KV pool holds at most "
-            f"{decode_limit:,}. Lower max_tokens or shorten the prompt."
+            f"{decode_limit:,}, so at most {max(decode_limit - prompt_tokens, 0):,} output "
+            "tokens fit with this prompt. Lower max_tokens or shorten the prompt."
         ),
         extra={
             "prompt_tokens": prompt_tokens,
