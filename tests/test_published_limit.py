@@ -1,5 +1,6 @@
 """One published limit (issue #33.2): the largest prompt a client can send with at least one
-output token is one number, and admission agrees with it for every engine kind and role mix.
+output token is one number, and admission agrees with it for every engine kind and role mix;
+live, the gauge, /capacity, the release gate's boundary probe and the refusals agree.
 
 Engines are measured by the real readers (`measure_sglang`, `measure_vllm`,
 `measure_static`) from reports synthesized the way the engines write them; the limits come
@@ -15,9 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvtest import running_proxy, serving
 
 from kvproxy import admission
 from kvproxy.admission import Admit, Policy, Reject
@@ -27,6 +31,8 @@ from kvproxy.capacity.sglang import measure_sglang
 from kvproxy.capacity.vllm import measure_vllm
 from kvproxy.config import EngineSpec
 from kvproxy.counts import TokenCount
+from kvproxy.gate import GateOptions, run_gate
+from kvproxy.metrics import SINGLE_MODEL
 
 
 @dataclass(frozen=True)
@@ -247,3 +253,81 @@ def test_the_issues_unified_engine_publishes_4878() -> None:
     assert "at most 879 output tokens fit" in verdict.error.message
     # With no output at all the input-only limit still holds (max_tokens 0).
     assert isinstance(admission.decide(exact(5000), Shape(0), lim, Policy()), Admit)
+
+
+# --- every surface, live: the issue's engine behind kvproxy ------------------------------------
+
+
+def unified_engine(served: list[int]) -> web.Application:
+    """One unified SGLang engine as kvproxy sees it: pool 5,007 in pages of 64 (its
+    /server_info), a byte tokenizer (its /tokenize) and completions that generate."""
+    info = SGLangEngine("unified", 5007, 8192, 64).info()
+
+    async def server_info(_: web.Request) -> web.Response:
+        return web.json_response(info)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 8192}]})
+
+    async def tokenize(request: web.Request) -> web.Response:
+        ids = list(str((await request.json())["prompt"]).encode())
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 8192})
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        served.append(len(str(body["prompt"]).encode()))
+        usage = {"prompt_tokens": served[-1], "completion_tokens": 1}
+        return web.json_response({"choices": [{"index": 0, "text": "x"}], "usage": usage})
+
+    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def test_the_gauge_capacity_gate_and_refusals_agree_on_4878() -> None:
+    served: list[int] = []
+    async with (
+        serving(unified_engine(served)) as engine,
+        running_proxy(engine, engines=[{"url": engine, "role": "unified"}]) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
+        gauge = proxy.metrics.admission_limit.labels(SINGLE_MODEL)._value.get()
+        async with http.get(proxy.admin_url + "/capacity") as resp:
+            limits = (await resp.json())["limits"]
+        record = await run_gate(
+            GateOptions(
+                engines=proxy.settings.engines,
+                max_context=None,
+                proxy=proxy.public_url,
+                proxy_admin=proxy.admin_url,
+                probe_kind="text",
+            ),
+            lambda _: None,
+        )
+        replies = {}
+        for n in (4878, 4879, 4999, 5000):
+            body = {"model": "m", "prompt": "a" * n, "max_tokens": 1}
+            async with http.post(proxy.public_url + "/v1/completions", json=body) as resp:
+                replies[n] = (resp.status, await resp.json())
+    assert gauge == 4878
+    assert (limits["admission_limit_tokens"], limits["input_limit_tokens"]) == (4878, 5000)
+    checks = {c.name: c for c in record.checks}
+    for name in ("limit reachable", "proxy enforces the measured limit"):
+        assert checks[name].passed, checks[name].detail
+    assert "(4,878) admitted" in checks["limit reachable"].detail
+    assert checks["boundary limit+1 (4,879 tokens)"].passed
+    assert replies[4878][0] == 200
+    assert 4878 in served  # it reached the engine and was served
+    for n in (4879, 4999, 5000):
+        status, err = replies[n][0], replies[n][1]["error"]
+        assert status == 400
+        assert (err["code"], err["param"], err["limit_tokens"]) == (
+            "context_length_exceeded",
+            "prompt",
+            4878,
+        )
+        assert "accepts at most 4,878 " in err["message"]
+    assert not {4879, 4999, 5000} & set(served)  # refused means untouched (I7)
