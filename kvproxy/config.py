@@ -165,8 +165,9 @@ class Settings(BaseSettings):
     # --- tokens and admission ------------------------------------------------------------
     # auto: exact counts from the engines' own /tokenize when an SGLang or vLLM engine is
     # configured, else the byte bound (`effective_tokenizer`). Why not `bytes`: the bound is
-    # safe (it never admits above the limit) but it is an upper bound, so near the limit it
-    # refuses legal prompts, and the product's own checks (`kvproxy check`'s "limit
+    # safe (it never admits above the limit) but it is an upper bound, so it refuses legal
+    # prompts (with Qwen-3, English text is admitted up to 20.9 % of the limit:
+    # bench/tokenizer_reach.py), and the product's own checks (`kvproxy check`'s "limit
     # reachable", `kvproxy canary`'s boundary) then fail on a correct deployment; the
     # engine's /tokenize is exact with no tokenizer files in the sidecar and is asked only
     # when the bound cannot admit a prompt (near or over the limit). On SGLang it counts chat
