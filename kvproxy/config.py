@@ -170,7 +170,8 @@ class Settings(BaseSettings):
     # bench/tokenizer_reach.py), and the product's own checks (`kvproxy check`'s "limit
     # reachable", `kvproxy canary`'s boundary) then fail on a correct deployment; the
     # engine's /tokenize is exact with no tokenizer files in the sidecar and is asked only
-    # when the bound cannot admit a prompt (near or over the limit). On SGLang it counts chat
+    # when the bound cannot admit a prompt (its bytes exceed the limit: with a real
+    # tokenizer, prompts above about a fifth of the limit). On SGLang it counts chat
     # exactly only with `chat_template` set (its /tokenize does not apply the template;
     # vLLM's does); without, a chat near the limit is decided by an upper count.
     # `count_timeout_s` bounds each ask; an engine that cannot answer fails the request closed
