@@ -220,6 +220,7 @@ async def _run(opts: CanaryOptions, http: aiohttp.ClientSession) -> CanaryReport
     model: str | None = None
     model_source: str | None = None
     limit_source: str | None = None
+    refused: str | None = None
     h: Harness | None = None
     try:
         model, model_source = await _resolve_model(http, opts)
@@ -244,9 +245,13 @@ async def _run(opts: CanaryOptions, http: aiohttp.ClientSession) -> CanaryReport
             r = ScenarioResult(name)
             r.fail(f"not run: {exc}")
             results.append(r)
+        refused = str(exc)
     if h is not None and not results:
         results = [await _scenario(h, name) for name in opts.scenarios]
     verdict, not_run = run_verdict(results, opts.scenarios)
+    if refused is not None:
+        # Nothing ran: each scenario failed, and each is counted among those not run.
+        not_run.update({r.name: f"target refused before any scenario: {refused}" for r in results})
     return CanaryReport(
         schema="kvproxy.canary/1",
         kvproxy_version=__version__,
@@ -262,7 +267,7 @@ async def _run(opts: CanaryOptions, http: aiohttp.ClientSession) -> CanaryReport
         scenarios=results,
         verdict=verdict,
         tripwire=await tripwire_diagnosis(http, opts, results),
-        scenarios_run=sum(1 for r in results if r.verdict != "skipped"),
+        scenarios_run=sum(1 for r in results if r.verdict != "skipped" and r.name not in not_run),
         not_run=not_run,
         partial_accepted=opts.allow_partial,
     )
@@ -299,7 +304,7 @@ def verdict_line(report: CanaryReport) -> str:
     head = report.verdict.upper()
     if report.not_run:
         head += f" ({report.scenarios_run} of {report.scenarios_total} scenarios run"
-        head += "; partial run accepted: --allow-partial)" if report.partial_accepted else ")"
+        head += "; partial run accepted)" if report.partial_accepted else ")"
     return head
 
 

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from kvtest import canary_settings, serving, sim_and_proxy
 
-from kvproxy.isolation import CAVEATS, CanaryOptions, run_isolation, summary
+from kvproxy.isolation import CAVEATS, SCENARIOS, CanaryOptions, run_isolation, summary
 from kvproxy.probes import parse_reply
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
@@ -107,6 +107,10 @@ async def test_an_unreachable_target_is_not_a_pass() -> None:
     )
     assert report.verdict == "fail"
     assert all(s.verdict == "fail" for s in report.scenarios)
+    # None of them ran: the count says so, and why.
+    assert report.scenarios_run == 0
+    assert set(report.not_run) == set(SCENARIOS)
+    assert "FAIL (0 of 4 scenarios run)" in summary(report)
     problem = report.scenarios[0].problems[-1]
     assert "target refused the preflight" in problem, problem
     assert "is the target reachable?" in problem
