@@ -11,7 +11,8 @@ Why the single-model fields are refused next to `models` instead of inherited: a
 a pool or a budget belongs to one model's engines. Inheriting the top-level tokenizer into a
 model that uses another one would count its prompts with the wrong vocabulary, which is an
 I1 risk, not a convenience. So each entry states its own, and an entry that states no
-tokenizer gets `bytes`, the bound that holds for any tokenizer.
+tokenizer gets `auto`: its own engines' `/tokenize` (the model's own tokenizer), or the byte
+bound, which holds for any tokenizer, when its engines are static (config.effective_tokenizer).
 
 Must never: let two entries answer to one name (a request would be counted against a pool
 chosen by accident).
@@ -54,7 +55,7 @@ class ModelSpec(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
     aliases: tuple[str, ...] = ()
     engines: tuple[EngineSpec, ...] = Field(min_length=1)
-    tokenizer: str = "bytes"
+    tokenizer: str = "auto"
     chat_template: str | None = None
     max_context: int | None = Field(default=None, ge=1)
     max_inflight_prompt_tokens: int | None = Field(default=None, ge=1)
