@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from kvproxy import __version__
-from kvproxy.config import ConfigError, Settings, load_settings
+from kvproxy.config import ConfigError, Settings, effective_tokenizer, load_settings
 from kvproxy.observe import setup_logging
 
 
@@ -89,6 +89,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return _run(main)
 
 
+def demo_settings(args: argparse.Namespace, opts: Any, sim: Any) -> Settings:
+    """The demo's kvproxy, configured the way its own checks ask for, so `kvproxy canary`
+    and `kvproxy check` pass through it in front of the vulnerable engines:
+
+    - tokenizer: the default (`auto`), i.e. the engines' own /tokenize: exact counts, so
+      the published limit is reachable (the byte bound refuses legal prompts near it);
+    - max_context: the context the prefill engine actually holds, min(context, prefill
+      pool), not the 8,192 the engines advertise: the incident's gap stays visible on the
+      engines (straight to the simulator), while the declared value is the one the release
+      gate accepts;
+    - the tripwire armed for the isolation harness's synthetic tenants, with the settings
+      the harness prints (kvproxy.tools.isolation.diagnosis): the demo trusts X-Tenant-ID, which
+      is only right behind a gateway that sets it itself.
+    """
+    from kvproxy.tools import DEFAULT_TENANT_HEADER, DEFAULT_TENANTS, arming_settings
+
+    return _settings_from(
+        args,
+        upstream=sim.router_url,
+        engines=[
+            {"url": sim.prefill_url, "role": "prefill", "kind": "sglang"},
+            {"url": sim.decode_url, "role": "decode", "kind": "sglang"},
+        ],
+        max_context=min(opts.context_length, opts.prefill_pool_tokens),
+        **arming_settings(DEFAULT_TENANTS, DEFAULT_TENANT_HEADER),
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvproxy.sim import SimCluster, SimOptions
 
@@ -99,22 +127,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         sim = SimCluster(opts)
         await sim.start()
-        settings = _settings_from(
-            args,
-            upstream=sim.router_url,
-            engines=[
-                {"url": sim.prefill_url, "role": "prefill", "kind": "sglang"},
-                {"url": sim.decode_url, "role": "decode", "kind": "sglang"},
-            ],
-            max_context=opts.context_length,
-        )
+        try:
+            settings = demo_settings(args, opts, sim)
+        except BaseException:
+            await sim.close()
+            raise
         setup_logging(settings.log_level)
         server = KvproxyServer(settings)
         try:
             await server.start()
             await server.services.models.first.capacity.refresh_now()
             await _seed_tenant_a(sim.router_url)
-            print(_demo_banner(server.public_url, server.admin_url, sim.router_url), flush=True)
+            print(
+                _demo_banner(
+                    server.public_url, server.admin_url, sim.router_url, settings, opts.mode
+                ),
+                flush=True,
+            )
             await _until_signalled()
         finally:
             await server.stop()
@@ -141,14 +170,32 @@ async def _seed_tenant_a(sim_url: str) -> None:
         await resp.read()
 
 
-def _demo_banner(proxy: str, admin: str, sim: str) -> str:
+def _demo_banner(proxy: str, admin: str, sim: str, settings: Settings, mode: str) -> str:
     chat = "/v1/chat/completions -H 'Content-Type: application/json'"
     long_prompt = "$(printf 'overlong-prompt %.0s' $(seq 400))"
+    engines = json_engines(settings)
+    tokenizer = effective_tokenizer(settings.tokenizer, settings.engines)
+    if tokenizer != settings.tokenizer:
+        tokenizer += f" ({settings.tokenizer})"
+    tenants = ", ".join(c.tenant for c in settings.canaries)
+    gate_note = (
+        " (it fails on\nthe engines' posture alone: the demo engine is the vulnerable one,"
+        " on purpose)"
+        if mode == "vulnerable"
+        else ""
+    )
     return f"""
-kvproxy demo: the built-in PD simulator (vulnerable mode) behind kvproxy
+kvproxy demo: the built-in PD simulator ({mode} mode) behind kvproxy
   proxy    {proxy}
   admin    {admin}/capacity  {admin}/metrics  {admin}/readyz
   sim      {sim}  (router; ground truth at {sim}/sim/stats)
+  policy   tokenizer {tokenizer}; declared context {settings.max_context:,} (what the prefill
+           pool holds); tripwire armed for {tenants} ({settings.tenant_header})
+
+Check it as a release would: the isolation test through kvproxy, then the gate{gate_note}:
+  kvproxy canary --target {proxy} --proxy-admin {admin} --sim {sim}
+  kvproxy check --engines '{engines}' --max-context {settings.max_context} \\
+    --proxy {proxy} --proxy-admin {admin} --sim {sim}
 
 Stream a reply through the proxy:
   curl -N {proxy}{chat} \\
@@ -163,6 +210,15 @@ The same request through kvproxy (400 context_length_exceeded, nothing reaches t
   curl -s {proxy}{chat} \\
     -d "{{\\"max_tokens\\":400,\\"messages\\":[{{\\"role\\":\\"user\\",\\"content\\":\\"{long_prompt}\\"}}]}}"
 """
+
+
+def json_engines(settings: Settings) -> str:
+    """The engines as `--engines` takes them (url and role; kind when not sglang)."""
+    rows = [
+        {"url": e.url, "role": e.role, **({"kind": e.kind} if e.kind != "sglang" else {})}
+        for e in settings.engines
+    ]
+    return orjson.dumps(rows).decode()
 
 
 def cmd_sim(args: argparse.Namespace) -> int:

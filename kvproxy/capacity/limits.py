@@ -46,6 +46,17 @@ token must fit. vLLM refuses to start when max_model_len exceeds one engine's po
 
 Static engines: the declared `capacity_tokens` is both limits, labelled declared.
 
+The published limit (`Limits.admission_limit_tokens`: the gauge, `/capacity`, the release
+gate's boundary probe, the canary harness and every rejection message) is one number: the
+largest prompt a client can send and still get at least one output token,
+    min(input limit, decode limit - 1)
+where the input limit is what the admitting engines (and the declared context) accept with
+no output at all (`input_limit_tokens`, kept for routes that generate nothing: embeddings,
+classify, rerank). `kvproxy.policy.admission.decide` admits exactly the prompts up to it for a
+request with `max_tokens` 1 and `n` 1: the two are held equal by property tests over every
+engine kind and role mix. Example: one unified SGLang engine, pool 5,007, page 64: input
+limit 5,000, decode limit 4,879 (pool - 2 x page), published 4,878.
+
 Must never: raise a limit above any contributing number, or call a limit "measured" when
 only declared numbers produced it.
 """
@@ -165,7 +176,12 @@ def static_limits(capacity_tokens: int) -> EngineLimits:
 
 @dataclass(frozen=True)
 class Limits:
-    """What admission enforces right now, and why. Cheap to copy; never mutated."""
+    """What admission enforces right now, and why. Cheap to copy; never mutated.
+
+    `admission_limit_tokens` is the published limit: the largest prompt admitted with one
+    output token (module docstring); `source`, `why` and `binding_engine` describe it.
+    `input_limit_tokens` is the largest prompt admitted with no output at all (routes that
+    generate nothing, `max_tokens` 0), with its own `input_source` and `input_why`."""
 
     admission_limit_tokens: int | None
     decode_limit_tokens: int | None
@@ -173,6 +189,10 @@ class Limits:
     known: bool
     why: str
     binding_engine: str | None = None
+    # None: as admission_limit_tokens (no decode engine, or the limits are unknown).
+    input_limit_tokens: int | None = None
+    input_source: Source = "measured"
+    input_why: str = ""
     declared_context: int | None = None
     decode_source: Source = "measured"
     decode_why: str = ""
@@ -199,6 +219,9 @@ class Limits:
             "source": self.source,
             "why": self.why,
             "binding_engine": self.binding_engine,
+            "input_limit_tokens": self.input_limit_tokens,
+            "input_source": self.input_source,
+            "input_why": self.input_why or self.why,
             "decode_limit_tokens": self.decode_limit_tokens,
             "decode_source": self.decode_source,
             "decode_why": self.decode_why,
@@ -349,17 +372,32 @@ def derive_limits(
 
     best = _pick(adm)
     decode_best = _pick(dec) if dec else None
+    input_limit = max(0, best.tokens - margin_tokens)
+    input_source = source_of(adm)
+    input_why = best.phrase + _margin_phrase(margin_tokens)
+    decode_limit = max(0, decode_best.tokens - margin_tokens) if decode_best else None
+    decode_source = source_of(dec) if dec else "measured"
+    published, source, why, binding = input_limit, input_source, input_why, best.engine
+    if decode_best is not None and decode_limit is not None and decode_limit - 1 < input_limit:
+        # The decode side binds: its limit is on prompt + output, and a client needs at
+        # least one output token, so one token of it is the output's.
+        published, source, binding = max(0, decode_limit - 1), decode_source, decode_best.engine
+        why = (
+            f"{decode_best.phrase}{_margin_phrase(margin_tokens)}, which serves prompt + "
+            f"output up to {decode_limit:,}: {published:,} with one output token"
+        )
     return Limits(
-        admission_limit_tokens=max(0, best.tokens - margin_tokens),
-        decode_limit_tokens=(
-            max(0, decode_best.tokens - margin_tokens) if decode_best is not None else None
-        ),
-        source=source_of(adm),
+        admission_limit_tokens=published,
+        decode_limit_tokens=decode_limit,
+        source=source,
         known=True,
-        why=best.phrase + _margin_phrase(margin_tokens),
-        binding_engine=best.engine,
+        why=why,
+        binding_engine=binding,
+        input_limit_tokens=input_limit,
+        input_source=input_source,
+        input_why=input_why,
         declared_context=max_context,
-        decode_source=source_of(dec) if dec else "measured",
+        decode_source=decode_source,
         decode_why=(
             decode_best.phrase + _margin_phrase(margin_tokens)
             if decode_best is not None

@@ -5,7 +5,13 @@ A model's own settings (engines, tokenizer, template, declared context, budget) 
 `Settings.for_model(spec)` gives each its complete settings.
 """
 
-from kvproxy.config.models import IMPLICIT_MODEL, EngineSpec, ModelSpec, RouterSetting
+from kvproxy.config.models import (
+    IMPLICIT_MODEL,
+    EngineSpec,
+    ModelSpec,
+    RouterSetting,
+    effective_tokenizer,
+)
 from kvproxy.config.settings import (
     CanaryTenant,
     ConfigError,
@@ -22,6 +28,7 @@ __all__ = [
     "ModelSpec",
     "RouterSetting",
     "Settings",
+    "effective_tokenizer",
     "load_settings",
     "split_host_port",
 ]

@@ -66,9 +66,18 @@ class EngineSpec(BaseModel):
 
 def check_tokenizer(v: str) -> str:
     """The tokenizer spelling shared by the single-model form and every `models` entry."""
-    if v in ("bytes", "engine") or v.startswith(("hf:", "tiktoken:")):
+    if v in ("auto", "bytes", "engine") or v.startswith(("hf:", "tiktoken:")):
         return v
-    raise ValueError(f"must be bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
+    raise ValueError(f"must be auto, bytes, engine, hf:PATH or tiktoken:PATH, got {v!r}")
+
+
+def effective_tokenizer(tokenizer: str, engines: tuple[EngineSpec, ...]) -> str:
+    """What `auto` (the default) means for these engines: `engine` when any of them is an
+    SGLang or vLLM engine, whose `/tokenize` is the model's own tokenizer, else `bytes`
+    (static pools have no tokenizer to ask). Any other spelling is itself."""
+    if tokenizer != "auto":
+        return tokenizer
+    return "engine" if any(e.kind in ("sglang", "vllm") for e in engines) else "bytes"
 
 
 def check_url(v: str) -> str:
@@ -93,7 +102,20 @@ class ModelFields(BaseModel):
     max_context: int | None = Field(default=None, ge=1)
     # Explicit, operator-owned fallback used only while no measurement is fresh (I3).
     capacity_fallback_limit_tokens: int | None = Field(default=None, ge=1)
-    tokenizer: str = "bytes"
+    # auto: exact counts from the engines' own /tokenize when an SGLang or vLLM engine is
+    # configured, else the byte bound (`effective_tokenizer`). Why not `bytes`: the bound is
+    # safe (it never admits above the limit) but it is an upper bound, so it refuses legal
+    # prompts (with Qwen-3, English text is admitted up to 20.9 % of the limit:
+    # bench/tokenizer_reach.py), and the product's own checks (`kvproxy check`'s "limit
+    # reachable", `kvproxy canary`'s boundary) then fail on a correct deployment; the
+    # engine's /tokenize is exact with no tokenizer files in the sidecar and is asked only
+    # when the bound cannot admit a prompt (its bytes exceed the limit: with a real
+    # tokenizer, prompts above about a fifth of the limit). On SGLang it counts chat
+    # exactly only with `chat_template` set (its /tokenize does not apply the template;
+    # vLLM's does); without, a chat near the limit is decided by an upper count.
+    # `count_timeout_s` bounds each ask; an engine that cannot answer fails the request
+    # closed (503 token_count_unavailable), never admits it.
+    tokenizer: str = "auto"
     chat_template: str | None = None
     max_inflight_prompt_tokens: int | None = Field(default=None, ge=1)
     max_inflight_requests: int | None = Field(default=None, ge=1)

@@ -171,7 +171,8 @@ class Metrics:
         )
         self.admission_limit = Gauge(
             "kvproxy_admission_limit_tokens",
-            "Largest prompt that is admitted (inclusive), by model; 0 while capacity is unknown.",
+            "Largest prompt admitted with at least one output token (inclusive; the published "
+            "limit, kvproxy.capacity.limits), by model; 0 while capacity is unknown.",
             ["model"],
             registry=r,
         )

@@ -12,6 +12,7 @@ from kvproxy.policy.clamp import clamp_output
 from kvproxy.policy.counts import CountMethod, TokenCount
 from kvproxy.policy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
 from kvproxy.policy.errors import (
+    ERROR_CODE_HEADER,
     ConfigError,
     ErrorStyle,
     KvproxyError,
@@ -24,8 +25,29 @@ from kvproxy.policy.routes import CHAT_ROUTES, Route, RouteMatch, parse_passthro
 from kvproxy.policy.tenants import TenantResolver, sanitize_tenant
 
 __all__ = [
-    "CHAT_ROUTES", "DEFERRED_OUTCOMES", "DISCONNECT_PHASES", "Admit", "ConfigError", "CountMethod",
-    "ErrorStyle", "KvproxyError", "NetworkKind", "Origin", "Route", "RouteMatch", "TenantResolver",
-    "TokenCount", "UpstreamFailure", "admission", "clamp_output", "drain", "errors",
-    "invalid_request", "parse_origin", "parse_passthrough", "route_table", "sanitize_tenant",
+    "CHAT_ROUTES",
+    "DEFERRED_OUTCOMES",
+    "DISCONNECT_PHASES",
+    "ERROR_CODE_HEADER",
+    "Admit",
+    "ConfigError",
+    "CountMethod",
+    "ErrorStyle",
+    "KvproxyError",
+    "NetworkKind",
+    "Origin",
+    "Route",
+    "RouteMatch",
+    "TenantResolver",
+    "TokenCount",
+    "UpstreamFailure",
+    "admission",
+    "clamp_output",
+    "drain",
+    "errors",
+    "invalid_request",
+    "parse_origin",
+    "parse_passthrough",
+    "route_table",
+    "sanitize_tenant",
 ]  # fmt: skip

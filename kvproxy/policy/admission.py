@@ -18,7 +18,10 @@ One request, in the handler's order (h11-style: events in, decisions out):
                                                   decision on today's limits
 
 `count_ceiling` and `decide` read the same arithmetic (`_decode_room`), so "the bound is
-under the ceiling" and "decide admits the bound" cannot drift apart.
+under the ceiling" and "decide admits the bound" cannot drift apart. I1 is checked against
+the input-only limit (`input_limit_tokens`: what the admitting engines take with no output);
+a prompt refused because not even one output token would fit is refused as too long, naming
+the published limit (`admission_limit_tokens`), the number every surface shows.
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ class LimitsView(Protocol):
     @property
     def known(self) -> bool: ...
     @property
-    def admission_limit_tokens(self) -> int | None: ...
+    def admission_limit_tokens(self) -> int | None: ...  # published: with one output token
+    @property
+    def input_limit_tokens(self) -> int | None: ...  # with no output; None: as published
+    @property
+    def input_source(self) -> str: ...
+    @property
+    def input_why(self) -> str: ...
     @property
     def decode_limit_tokens(self) -> int | None: ...
     @property
@@ -152,11 +161,18 @@ def _decode_room(shape: ShapeView, limits: LimitsView, policy: Policy) -> _Room 
     )
 
 
+def _input_limit(limits: LimitsView) -> int | None:
+    """I1's number: the largest prompt the admitting engines take with no output."""
+    if limits.input_limit_tokens is None:
+        return limits.admission_limit_tokens
+    return limits.input_limit_tokens
+
+
 def count_ceiling(shape: ShapeView, limits: LimitsView, policy: Policy) -> int:
     """The largest per-sequence count `decide` admits for this shape on these limits (0
     when it admits none), so the counter tokenizes exactly whenever its cheap bound would
     fail either check (I1 on prefill, I4 on decode)."""
-    limit = limits.admission_limit_tokens or 0
+    limit = _input_limit(limits) or 0
     room = _decode_room(shape, limits, policy)
     if room is not None:
         limit = min(limit, room.ceiling)
@@ -169,31 +185,43 @@ def charge_ceiling(budget_max_tokens: int | None, shape: ShapeView) -> int | Non
     return None if budget_max_tokens is None else budget_max_tokens // max(shape.n, 1)
 
 
+def _too_long(count: TokenCount, shape: ShapeView, limits: LimitsView) -> Reject:
+    """The prompt alone is over what this request can be served with: the message names the
+    published limit (the largest prompt with one output token) for a request that
+    generates, the input-only limit for one that does not."""
+    published = shape.generates and limits.decode_limit_tokens is not None
+    limit = limits.admission_limit_tokens if published else _input_limit(limits)
+    assert limit is not None  # decide() refused unknown limits first
+    why = limits.why if published else (limits.input_why or limits.why)
+    source = limits.source if published else limits.input_source
+    if count.unverified:
+        # The exact count was withheld (tokens.verified): say which features forced the
+        # bound, so the client can send a plain body and the operator can see why.
+        why += "; " + errors.unverified_note(count.unverified, count.verified_for)
+    elif not count.exact and not count.at_least:
+        why += "; counted by a byte bound, configure KVPROXY_TOKENIZER for exact counts"
+    return Reject(
+        errors.context_length_exceeded(
+            count.tokens,
+            limit,
+            source,
+            shape.prompt_param,
+            why,
+            at_least=count.at_least,
+            kind=count.kind,
+            unverified=count.unverified,
+        )
+    )
+
+
 def decide(count: TokenCount, shape: ShapeView, limits: LimitsView, policy: Policy) -> Decision:
-    limit = limits.admission_limit_tokens
-    if not limits.known or limit is None:
+    limit = _input_limit(limits)
+    published = limits.admission_limit_tokens
+    if not limits.known or limit is None or published is None:
         return Reject(errors.capacity_unknown(5, "no fresh measurement"))
 
     if count.tokens > limit:
-        why = limits.why
-        if count.unverified:
-            # The exact count was withheld (tokens.verified): say which features forced the
-            # bound, so the client can send a plain body and the operator can see why.
-            why += "; " + errors.unverified_note(count.unverified, count.verified_for)
-        elif not count.exact and not count.at_least:
-            why += "; counted by a byte bound, configure KVPROXY_TOKENIZER for exact counts"
-        return Reject(
-            errors.context_length_exceeded(
-                count.tokens,
-                limit,
-                limits.source,
-                shape.prompt_param,
-                why,
-                at_least=count.at_least,
-                kind=count.kind,
-                unverified=count.unverified,
-            )
-        )
+        return _too_long(count, shape, limits)
 
     room = _decode_room(shape, limits, policy)
     # `decode_limit` is each engine's own arithmetic (kvproxy/capacity/limits.py): the
@@ -206,6 +234,10 @@ def decide(count: TokenCount, shape: ShapeView, limits: LimitsView, policy: Poli
     if room is None or count.tokens <= room.full:
         return Admit(count, shape)
     if count.tokens > room.ceiling:
+        if count.tokens > published:
+            # Not even one output token fits: shortening the prompt is the only remedy,
+            # and the message names the one published limit.
+            return _too_long(count, shape, limits)
         return Reject(
             errors.decode_budget_exceeded(
                 count.tokens,

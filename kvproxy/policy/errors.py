@@ -31,11 +31,14 @@ Tree of what a request can end in, besides a relayed upstream response:
         ├── upstream_bad_response     502   upstream_bad_response
         └── canary_violation          502   canary_violation
 
-Bodies follow OpenAI's `{"error": {...}}` shape for `/v1/*` and SGLang's flat shape for
-`/generate`, on every path (rejections, upstream failures, a canary block, an error event
-that ends a stream). `error_style(route)` is the one place that decides, from
-`STYLE_BY_ROUTE`; a route not listed gets OpenAI's shape. Messages never quote prompt or
-completion text (I8).
+Bodies follow OpenAI's `{"error": {"message", "type", "param", "code", ...}}` shape for the
+OpenAI routes and SGLang's native `{"error": {"message": ...}}` on SGLang's native routes
+(`/generate`, `/encode`, `/classify`), on every path (rejections, upstream failures, a
+canary block, an error event that ends a stream). `error_style(route)` is the one place that
+decides, from `STYLE_BY_ROUTE`; a route not listed gets OpenAI's shape. The machine code of a
+whole-body error also travels in the `X-Kvproxy-Error-Code` header (kvproxy.serve.replies), the
+one place a native-route client can read it without a field SGLang never sends. Messages
+never quote prompt or completion text (I8).
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ from typing import Any, Literal
 import orjson
 
 ErrorStyle = Literal["openai", "sglang"]
+# The machine code of an error kvproxy answered with a whole body (kvproxy.serve.replies).
+ERROR_CODE_HEADER = "X-Kvproxy-Error-Code"
 # The error shape a client of each route expects; a new route whose clients expect another
 # shape adds itself here (and its body builder to `KvproxyError.body`).
-# SGLang's native routes answer in its flat error shape; everything else (the OpenAI routes,
-# and /v1/messages, where smg answers in the same OpenAI shape) gets OpenAI's.
+# SGLang's native routes answer in their own shape (`sglang_error_body`); everything else (the
+# OpenAI routes, and /v1/messages, where smg answers in the same OpenAI shape) gets OpenAI's.
 STYLE_BY_ROUTE: dict[str, ErrorStyle] = {
     "generate": "sglang",
     "encode": "sglang",
@@ -85,7 +90,7 @@ class KvproxyError(Exception):
 
     def body(self, style: ErrorStyle = "openai") -> bytes:
         if style == "sglang":
-            return sglang_error_body(self.message, self.status, self.code, self.extra)
+            return sglang_error_body(self.message)
         return openai_error_body(self.message, self.type, self.param, self.code, self.extra)
 
 
@@ -102,27 +107,23 @@ def openai_error_body(
     return orjson.dumps({"error": err})
 
 
-def sglang_error_body(
-    message: str, status: int, code: str, extra: dict[str, Any] | None = None
-) -> bytes:
-    # SGLang's flat shape (`{"object":"error",...,"code":400}`) plus our machine code, so a
-    # client of /generate can tell a kvproxy rejection from an engine error.
-    body: dict[str, Any] = {
-        "object": "error",
-        "message": message,
-        "type": "BadRequestError" if status < 500 else "ServiceUnavailableError",
-        "param": None,
-        "code": status,
-        "kvproxy_code": code,
-    }
-    if extra:
-        body.update(extra)
-    return orjson.dumps(body)
+def sglang_error_body(message: str) -> bytes:
+    """SGLang's native-route error, byte for byte the shape its HTTP server writes: the body
+    of a refused `/generate`, `/encode` or `/classify` (`_create_error_response`) and the
+    `data:` event that ends a refused `/generate` stream (`generate_request`'s
+    `stream_results`), both `{"error": {"message": str(e)}}`
+    (python/sglang/srt/entrypoints/http_server.py). SGLang's own clients read exactly this:
+    `error.message` (sglang.lang.backend.runtime_endpoint raises on a non-200 body; a stream
+    reader stops at `data: [DONE]`). No further field: the machine code is in the
+    X-Kvproxy-Error-Code header when there is a header to put it in."""
+    return orjson.dumps({"error": {"message": message}})
 
 
 def sse_error_event(err: KvproxyError, style: ErrorStyle) -> bytes:
-    """An error event to end a stream that already sent headers (canary block, upstream cut).
-    The relay forwards whole events only, so the client's stream is at an event boundary."""
+    """An error event to end a stream that already sent headers (canary block, upstream cut),
+    then `[DONE]`, as both SGLang (`generate_request`) and the OpenAI-compatible servers end
+    a failed stream. The relay forwards whole events only, so the client's stream is at an
+    event boundary."""
     return b"data: " + err.body(style) + b"\n\ndata: [DONE]\n\n"
 
 
@@ -222,7 +223,8 @@ def decode_budget_exceeded(
         message=(
             f"prompt ({prompt_tokens:,} tokens) plus requested output ({output_tokens:,} "
             f"tokens) is {prompt_tokens + output_tokens:,}; the decode KV pool holds at most "
-            f"{decode_limit:,}. Lower max_tokens or shorten the prompt."
+            f"{decode_limit:,}, so at most {max(decode_limit - prompt_tokens, 0):,} output "
+            "tokens fit with this prompt. Lower max_tokens or shorten the prompt."
         ),
         extra={
             "prompt_tokens": prompt_tokens,

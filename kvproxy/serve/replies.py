@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvproxy.policy import ErrorStyle, KvproxyError
+from kvproxy.policy import ERROR_CODE_HEADER, ErrorStyle, KvproxyError
 
 
 def error_response(
@@ -16,6 +16,9 @@ def error_response(
     default: every caller says which, from `errors.error_style`)."""
     headers = dict(extra_headers or {})
     headers.update(err.headers)
+    # The code in a header as well as (OpenAI shape) in the body: SGLang's native shape has
+    # no field for it, and a client of either can tell kvproxy's answer from the engine's.
+    headers[ERROR_CODE_HEADER] = err.code
     resp = web.Response(
         status=err.status, body=err.body(style), content_type="application/json", headers=headers
     )

@@ -8,7 +8,12 @@ pool or take it down), and ``add_arguments`` / ``run`` for ``kvproxy sim``.
 
 Two scale facts a reader needs: pools are rounded down to whole pages as SGLang does
 (5,322 → 5,312), so prefill's ``max_req_input_len`` is 5,306; and ``--mode`` sets the
-three failure switches at once, each of which can be overridden on its own.
+three failure switches at once, each of which can be overridden on its own. The posture the
+engines report follows the mode too, so what ``/server_info`` says matches how the engines
+behave: vulnerable reports ``0.5.21-sim`` (before every fix the incident names) without KV
+checksums; fixed reports ``0.5.23-sim`` (at or after each fix, NIXL/MORI's included) with
+``--disaggregation-enable-kv-checksum`` on both engines. ``--version`` and
+``--kv-checksum``/``--no-kv-checksum`` override either.
 
 The engines' own arithmetic cases are options too: ``--speculative-algorithm EAGLE`` with
 its sizes (SGLang's context reserve), ``--dcp-size`` (SGLang decode context parallelism),
@@ -32,7 +37,7 @@ from kvproxy.sim.decode import DecodeServer
 from kvproxy.sim.engine import EngineServer
 from kvproxy.sim.prefill import PrefillServer
 from kvproxy.sim.router import PDRouter
-from kvproxy.sim.state import SIM_VERSION, EngineConfig, Faults
+from kvproxy.sim.state import FIXED_SIM_VERSION, SIM_VERSION, EngineConfig, Faults
 
 Mode = Literal["vulnerable", "fixed"]
 SimRole = Literal["all", "prefill", "decode"]
@@ -79,13 +84,25 @@ class SimOptions:
     kv_cache_size_label: bool = True
     # Posture as /server_info reports it (SGLang flavour): the version string, the transfer
     # backend, and --disaggregation-enable-kv-checksum on both engines (kvproxy.sim.checksum).
-    engine_version: str = SIM_VERSION
+    # None follows ``mode`` (vulnerable: SIM_VERSION, no checksum; fixed: FIXED_SIM_VERSION,
+    # checksum on), so a fixed simulator passes the release gate's posture check as it is.
+    engine_version: str | None = None
     transfer_backend: Literal["mooncake", "nixl", "mori"] = "mooncake"
-    kv_checksum: bool = False
+    kv_checksum: bool | None = None
 
     def switch(self, name: str) -> bool:
         value = getattr(self, name)
         return self.mode == "vulnerable" if value is None else bool(value)
+
+    def version(self) -> str:
+        """The version /server_info reports."""
+        if self.engine_version is not None:
+            return self.engine_version
+        return SIM_VERSION if self.mode == "vulnerable" else FIXED_SIM_VERSION
+
+    def checksum(self) -> bool:
+        """Whether both engines run with --disaggregation-enable-kv-checksum."""
+        return self.mode == "fixed" if self.kv_checksum is None else self.kv_checksum
 
     def faults(self) -> Faults:
         return Faults(
@@ -172,9 +189,9 @@ class SimCluster:
             failed_send_as_drained=o.switch("failed_send_as_drained"),
             default_bootstrap_port=prefill_port,
             bootstrap_timeout_s=o.bootstrap_timeout_s,
-            version=o.engine_version,
+            version=o.version(),
             transfer_backend=o.transfer_backend,
-            kv_checksum=o.kv_checksum,
+            kv_checksum=o.checksum(),
         )
         return dataclasses.replace(base, **overrides)
 
@@ -301,17 +318,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--version",
         dest="engine_version",
-        default=d.engine_version,
-        help="the SGLang version /server_info reports (reporting only: --mode decides "
+        default=None,
+        help=f"the SGLang version /server_info reports (default: {SIM_VERSION} with --mode "
+        f"vulnerable, {FIXED_SIM_VERSION} with --mode fixed; reporting only: --mode decides "
         "the behaviour)",
     )
     a("--transfer-backend", choices=["mooncake", "nixl", "mori"], default=d.transfer_backend)
     a(
         "--kv-checksum",
         action=argparse.BooleanOptionalAction,
-        default=d.kv_checksum,
+        default=None,
         help="--disaggregation-enable-kv-checksum on both engines: a transfer whose landed KV "
-        "does not match prefill's digest is aborted and counted instead of read",
+        "does not match prefill's digest is aborted and counted instead of read (default: "
+        "on with --mode fixed, off with --mode vulnerable)",
     )
 
 
@@ -323,7 +342,10 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
 async def _serve(opts: SimOptions) -> None:
     async with SimCluster(opts) as cluster:
         if opts.role == "all":
-            print(f"kvproxy sim ({opts.mode}, {opts.flavor}) router  {cluster.router_url}")
+            posture = f"{opts.version()}, KV checksum {'on' if opts.checksum() else 'off'}"
+            print(
+                f"kvproxy sim ({opts.mode}, {opts.flavor}, {posture}) router  {cluster.router_url}"
+            )
             print(f"kvproxy sim prefill {cluster.prefill_url}")
             print(f"kvproxy sim decode  {cluster.decode_url}")
             print(f"ground truth: curl -s {cluster.router_url}/sim/stats", flush=True)

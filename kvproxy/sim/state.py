@@ -16,7 +16,11 @@ from typing import Any, Literal
 from kvproxy.sim.limits import EngineError, Flavor
 
 Role = Literal["prefill", "decode"]
+# What the engines report as their SGLang version: the vulnerable mode's predates the
+# pending-rejection fix (0.5.22); the fixed mode's is at or after every fix the incident
+# names (0.5.22, and 0.5.23 for NIXL/MORI's failed-send-as-drained).
 SIM_VERSION = "0.5.21-sim"
+FIXED_SIM_VERSION = "0.5.23-sim"
 # The vLLM flavour speaks v0.18+ (error texts) and reports this as its /version.
 VLLM_SIM_VERSION = "0.30.0-sim"
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvproxy.config import ConfigError, Settings
-from kvproxy.policy import CountMethod, TokenCount
+from kvproxy.config import ConfigError, Settings, effective_tokenizer
+from kvproxy.policy.counts import CountMethod, TokenCount
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
 from kvproxy.tokens.counter import TokenCounter
@@ -49,12 +49,13 @@ def build_counter(
     session: Any = None,
     engine_tokenize: EngineTokenize | None = None,
 ) -> TokenCounter:
-    """Build the counter `settings.tokenizer` asks for. Raises ConfigError with one line.
+    """Build the counter `settings.tokenizer` asks for (`auto`, the default, is `engine` or
+    `bytes`: config.effective_tokenizer). Raises ConfigError with one line.
 
     `session` (an aiohttp.ClientSession the caller owns) is needed only for `engine`, unless
     `engine_tokenize` is given (tests pass a fake).
     """
-    spec = settings.tokenizer
+    spec = effective_tokenizer(settings.tokenizer, settings.engines)
     try:
         if spec == "bytes":
             return _counter(settings, "nfc", load_template(settings.chat_template, None))

@@ -4,5 +4,7 @@ client they share (`client`)."""
 
 from kvproxy.tools.check import cli as check_cli
 from kvproxy.tools.isolation import cli as canary_cli
+from kvproxy.tools.isolation.diagnosis import arming_settings
+from kvproxy.tools.isolation.scenarios import DEFAULT_TENANT_HEADER, DEFAULT_TENANTS
 
-__all__ = ["canary_cli", "check_cli"]
+__all__ = ["DEFAULT_TENANTS", "DEFAULT_TENANT_HEADER", "arming_settings", "canary_cli", "check_cli"]

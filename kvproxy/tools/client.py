@@ -22,7 +22,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from kvproxy.policy import UpstreamFailure
+from kvproxy.policy import ERROR_CODE_HEADER, UpstreamFailure
 from kvproxy.response import SSEParser, body_texts, token_texts
 from kvproxy.upstream import network_boundary
 
@@ -108,9 +108,9 @@ def parse_reply(status: int, headers: Any, raw: bytes) -> Reply:
         err = data.get("error")
         if isinstance(err, dict):
             code = err.get("code") if isinstance(err.get("code"), str) else None
-        elif isinstance(data.get("kvproxy_code"), str):
-            code = data["kvproxy_code"]
-        blocked = code == "canary_violation"
+    # SGLang's native shape has no code field: kvproxy puts it in a header (kvproxy.serve.replies).
+    code = code or headers.get(ERROR_CODE_HEADER)
+    blocked = code == "canary_violation"
     texts = body_texts(raw) if status == 200 else []
     return Reply(status, code, texts, blocked, decision)
 

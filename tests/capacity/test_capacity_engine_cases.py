@@ -94,7 +94,9 @@ async def test_sglang_eagle_reserve_binds_below_the_context(http: aiohttp.Client
     }
     async with sim_and_proxy(sim_opts) as (sim, proxy):
         lim = proxy.services.models.first.capacity.limits()
-        assert lim.admission_limit_tokens == 8175
+        # 8,175 with no output; with one output token the total check (prompt + 16 + 1
+        # within the context, the older >= reading) publishes 8,174.
+        assert (lim.input_limit_tokens, lim.admission_limit_tokens) == (8175, 8174)
         got = await sweep(
             http, sim, proxy, GENERATE, {n: generate(n, 0) for n in (8174, 8175, 8176)}
         )
@@ -206,9 +208,10 @@ async def test_unified_pool_limit_is_reachable_with_an_output(http: aiohttp.Clie
 async def test_pages_of_16_keep_the_limit_reachable_without_output(
     http: aiohttp.ClientSession,
 ) -> None:
-    # Both pools 5,312 tokens in pages of 16: the largest prompt is 5,305. The scheduler's
-    # page-aware clamp leaves 5,312 - ceil16(P) - 16 - 1 output tokens, none at all past
-    # P = 5,279, so prompt + output is served uncut only up to 5,312 - 32 = 5,280.
+    # Both pools 5,312 tokens in pages of 16: the largest prompt is 5,305 with no output.
+    # The scheduler's page-aware clamp leaves 5,312 - ceil16(P) - 16 - 1 output tokens, none
+    # at all past P = 5,280; kvproxy's linear bound serves prompt + output uncut up to
+    # 5,312 - 32 = 5,280, so the published limit (one output token) is 5,279.
     sim_opts = {
         **FAST,
         "mode": "fixed",
@@ -219,8 +222,17 @@ async def test_pages_of_16_keep_the_limit_reachable_without_output(
     }
     async with sim_and_proxy(sim_opts) as (sim, proxy):
         lim = proxy.services.models.first.capacity.limits()
-        assert (lim.admission_limit_tokens, lim.decode_limit_tokens) == (5305, 5280)
-        # No output asked: the published limit is reachable and the engine serves it.
+        assert (lim.input_limit_tokens, lim.decode_limit_tokens) == (5305, 5280)
+        assert lim.admission_limit_tokens == 5279
+        # One output token: the published limit is admitted and served in full, one more is
+        # refused as too long a prompt (not as too many output tokens: 1 is the least).
+        got = await sweep(http, sim, proxy, GENERATE, {5279: generate(5279, 1)})
+        assert got == {5279: (200, 200)}
+        async with http.post(proxy.public_url + GENERATE, json=generate(5280, 1)) as r:
+            assert r.status == 400
+            assert r.headers["X-Kvproxy-Error-Code"] == "context_length_exceeded"
+            assert "accepts at most 5,279" in (await r.json())["error"]["message"]
+        # No output asked: the input-only limit is reachable and the engine serves it.
         got = await sweep(
             http, sim, proxy, GENERATE, {n: generate(n, 0) for n in (5304, 5305, 5306)}
         )

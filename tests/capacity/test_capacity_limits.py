@@ -165,10 +165,14 @@ def test_minimum_over_prefill_and_unified_not_decode() -> None:
         m("d:3", "decode", 100, decode=100),
     ]
     lim = derive_limits(ms, max_context=None)
-    assert lim.admission_limit_tokens == 7000
-    assert lim.binding_engine == "u:2"
+    # Input only: the smallest admitting engine; the decode engine takes no part.
+    assert (lim.input_limit_tokens, lim.input_why) == (7000, "measured unified KV pool of u:2")
     assert lim.decode_limit_tokens == 100
     assert lim.decode_binding_engine == "d:3"
+    # Published (with one output token): the decode pool binds, one token is the output's.
+    assert (lim.admission_limit_tokens, lim.binding_engine) == (99, "d:3")
+    assert lim.why.startswith("measured decode KV pool of d:3")
+    assert "99 with one output token" in lim.why
 
 
 def test_only_declared_values_are_labelled_declared() -> None:
@@ -242,10 +246,14 @@ def test_admission_never_exceeds_any_contribution(
         assert not lim.known
         return
     assert lim.known
-    assert lim.admission_limit_tokens == max(0, min(admitting) - margin)
+    assert lim.input_limit_tokens == max(0, min(admitting) - margin)
     decoding = [x.decode_limit_tokens for x in ms if x.role != "prefill"]
+    published = lim.input_limit_tokens
     if decoding:
         assert lim.decode_limit_tokens == max(0, min(d for d in decoding if d) - margin)
+        published = min(published, max(0, lim.decode_limit_tokens - 1))
+    # The published limit leaves one output token on every decode engine.
+    assert lim.admission_limit_tokens == published
 
 
 # --- the engines' own arithmetic (issue #24), restated from SGLang's source -------------------
@@ -340,10 +348,12 @@ def test_limits_for_applies_the_settings_margin_and_fallback() -> None:
     ms = [m("p:1", "prefill", 5315, pool=5322, context=8192)]
     s = Settings(max_context=8192, limit_margin_tokens=15, capacity_fallback_limit_tokens=4000)
     lim = limits_for(s, ms, {"d:2": "decode"})
-    # 5,315 measured minus the 15-token margin; the unmeasured decode stands in at 4,000.
-    assert (lim.known, lim.admission_limit_tokens, lim.margin_tokens) == (True, 5300, 15)
+    # 5,315 measured minus the 15-token margin; the unmeasured decode stands in at 4,000,
+    # so with one output token the published limit is 4,000 - 15 - 1, declared.
+    assert (lim.known, lim.input_limit_tokens, lim.margin_tokens) == (True, 5300, 15)
     assert lim.fallback_used
     assert lim.decode_limit_tokens == 4000 - 15
+    assert (lim.admission_limit_tokens, lim.source) == (4000 - 15 - 1, "declared")
     # The safe value ignores margin and declared context: what the engine holds.
     assert (lim.measured_limit_tokens, lim.measured_why) == (
         5315,

@@ -42,7 +42,7 @@ def test_file_then_environment_then_overrides_and_the_environment_is_untouched(
     assert s.max_context == 4096  # the override beats the file
     assert s.limit_margin_tokens == 20
     assert [e.url for e in s.engines] == ["http://127.0.0.1:9"]
-    assert s.tokenizer == "bytes"  # None means "not given"
+    assert s.tokenizer == "auto"  # None means "not given": the default
     # The file was an argument of that call only: the next load does not see it.
     assert load_settings().engines == ()
     assert load_settings(max_context=100).max_context == 100  # keyword overrides still work

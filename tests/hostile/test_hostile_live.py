@@ -64,8 +64,17 @@ def check_answer(route: Route, status: int, headers: dict[str, str], data: bytes
     assert headers["content-type"].startswith("application/json")
     body = orjson.loads(data)
     if route == "generate":
-        assert body["object"] == "error"
-        code, message, extra = body["kvproxy_code"], body["message"], body
+        # SGLang's native shape: the message only; the code travels in a header.
+        assert list(body) == ["error"]
+        assert list(body["error"]) == ["message"]
+        code, message = headers["x-kvproxy-error-code"], body["error"]["message"]
+        extra = {}
+        if code == "context_length_exceeded":
+            # Its numbers are in the headers and the message.
+            extra["prompt_tokens"] = int(headers["x-kvproxy-prompt-tokens"])
+            if "plus requested output" not in message:
+                assert f"at most {LIMIT:,} " in message, message
+                extra["limit_tokens"] = LIMIT
     else:
         err = body["error"]
         code, message, extra = err["code"], err["message"], err
@@ -76,6 +85,8 @@ def check_answer(route: Route, status: int, headers: dict[str, str], data: bytes
         assert status == 400
         if "output_tokens" in extra:  # decode budget (I4)
             assert extra["prompt_tokens"] + extra["output_tokens"] > extra["limit_tokens"]
+        elif "limit_tokens" not in extra:  # decode budget, in SGLang's native shape
+            assert "plus requested output" in message
         else:
             assert extra["prompt_tokens"] > extra["limit_tokens"] == LIMIT
     else:

@@ -24,6 +24,9 @@ class L:
     decode_prompt_limit_tokens: int | None = None
     source: str = "measured"
     why: str = "measured prefill KV pool of prefill-0"
+    input_limit_tokens: int | None = None
+    input_source: str = "measured"
+    input_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,9 @@ def test_admits_at_the_limit_and_rejects_one_above() -> None:
 def test_sglang_style_body_for_generate() -> None:
     verdict = decide(count(700_000), L(), Policy())
     assert isinstance(verdict, Reject)
+    # SGLang's native /generate error, exactly: http_server._create_error_response.
     body = orjson.loads(verdict.error.body("sglang"))
-    assert body["object"] == "error"
-    assert body["code"] == 400
-    assert body["kvproxy_code"] == "context_length_exceeded"
+    assert body == {"error": {"message": verdict.error.message}}
 
 
 def test_a_bound_over_the_limit_says_it_was_a_bound() -> None:

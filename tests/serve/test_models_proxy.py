@@ -163,9 +163,10 @@ async def test_an_unknown_model_is_404_model_not_found_for_the_openai_sdk(
     assert "model-a, model-b" in err["message"]
     assert ok.choices
     # /generate names no model: with no default_model it is refused the same way, in
-    # SGLang's flat shape.
+    # SGLang's native shape.
     assert status == 404
-    assert gen["kvproxy_code"] == "model_not_found"
+    assert "model-a, model-b" in gen["error"]["message"]
+    assert list(gen["error"]) == ["message"]
     assert routed == [0, 1]  # I7: the refused requests reached no router
     assert (
         proxy.metrics.registry.get_sample_value(

@@ -1,6 +1,7 @@
 """The relay through the real app with fake upstreams (kvproxy/serve/relay.py): the tripwire on
 fields beyond content (#15.1), the drain and TTFT on a reasoning-only stream (#24.4), and
-the error shape of every upstream failure on `/generate` (#15.7)."""
+the error shape of every upstream failure on `/generate` (#15.7; SGLang's native shape,
+#33.3)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from aiohttp import web
 from kvtest import FakeUpstream, canary_settings, running_proxy, wait_until
 from ports import free_port
 
+from kvproxy.policy import errors
 from kvproxy.response import inspector, sse
 
 CHAT = "/v1/chat/completions"
@@ -134,8 +136,7 @@ async def test_generate_meta_info_marker_ends_the_stream_in_sglang_shape(
             got = await r.read()
     assert FOREIGN.encode() not in got
     last = ended_with(r.status, got)
-    assert last["object"] == "error"
-    assert last["kvproxy_code"] == "canary_violation"
+    assert sglang_code(last) == "canary_violation"
 
 
 # --- drain and TTFT on a reasoning-only stream ----------------------------------------
@@ -187,11 +188,27 @@ async def test_reasoning_only_stream_ends_a_deferred_drain_at_its_first_token(
 # --- error style on /generate, every upstream failure path ------------------------------
 
 
+# Each outcome's message: SGLang's native shape carries nothing else to tell them apart.
+MESSAGES = {
+    "upstream_unreachable": errors.upstream_failure("connect").message,
+    "upstream_reset": errors.upstream_failure("reset").message,
+    "upstream_timeout": errors.upstream_failure("timeout").message,
+    "upstream_bad_response": errors.upstream_failure("protocol").message,  # + " (detail)"
+    "canary_violation": errors.canary_violation().message,
+}
+
+
+def sglang_code(data: dict[str, Any]) -> str:
+    """The outcome of an error in SGLang's native shape, `{"error": {"message": ...}}`
+    exactly, from its message."""
+    assert list(data) == ["error"], data
+    assert list(data["error"]) == ["message"], data
+    message = data["error"]["message"]
+    return next(code for code, text in MESSAGES.items() if message.startswith(text))
+
+
 def sglang_shaped(body: bytes, code: str) -> None:
-    data = orjson.loads(body)
-    assert "error" not in data, data
-    assert data["object"] == "error"
-    assert data["kvproxy_code"] == code
+    assert sglang_code(orjson.loads(body)) == code
 
 
 @contextlib.asynccontextmanager
@@ -275,9 +292,8 @@ async def test_generate_stall_and_reset_answer_in_sglang_shape(
     assert b'"ab", "meta' not in body  # the half event was never forwarded (scanned stream)
     assert status in (200, 502)
     data = ended_with(status, body)
-    sglang_shaped(orjson.dumps(data), data.get("kvproxy_code", "?"))
     # aiohttp reports a cut chunked body as a payload error, a cut plain one as a reset.
-    assert data["kvproxy_code"] in ("upstream_reset", "upstream_bad_response")
+    assert sglang_code(data) in ("upstream_reset", "upstream_bad_response")
 
 
 async def test_generate_scan_overflows_answer_in_sglang_shape(

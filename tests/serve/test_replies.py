@@ -26,7 +26,10 @@ def test_connection_close_forces_the_close() -> None:
     assert resp.status == 408
     assert resp.keep_alive is False
     assert resp.body is not None
-    assert orjson.loads(bytes(resp.body))["kvproxy_code"] == "request_timeout"
+    assert orjson.loads(bytes(resp.body)) == {
+        "error": {"message": errors.body_read_timeout(5).message}
+    }
+    assert resp.headers["X-Kvproxy-Error-Code"] == "request_timeout"
 
 
 def test_the_client_gone_placeholder_is_never_reused() -> None:

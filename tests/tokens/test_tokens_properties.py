@@ -222,5 +222,6 @@ async def test_completion_bound_covers_count_with_special_tokens(
     assert exact.bound >= exact.tokens
 
 
-def test_settings_default_is_bytes() -> None:
-    assert Settings().tokenizer == "bytes"
+def test_settings_default_is_auto() -> None:
+    # auto: the engines' /tokenize, or this byte bound when no engine has one (static).
+    assert Settings().tokenizer == "auto"

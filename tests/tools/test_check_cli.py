@@ -38,6 +38,7 @@ def test_check_flags_override_the_config_file(tmp_path: Path) -> None:
         out=None,
         model=None,
         accept_drain_timeouts=False,
+        canary_allow_partial=False,
         probe_kind="auto",
     )
     opts = options_from(args)

@@ -19,7 +19,13 @@ from kvtest import canary_settings, serving, sim_and_proxy
 
 from kvproxy.sim.launcher import SimCluster, SimOptions
 from kvproxy.tools.client import parse_reply
-from kvproxy.tools.isolation.harness import CAVEATS, CanaryOptions, run_isolation, summary
+from kvproxy.tools.isolation.harness import (
+    CAVEATS,
+    SCENARIOS,
+    CanaryOptions,
+    run_isolation,
+    summary,
+)
 
 
 def free_sim() -> SimOptions:
@@ -73,8 +79,13 @@ async def test_through_kvproxy_the_same_run_passes() -> None:
             proxy.metrics.canary_violations.labels(t)._value.get() for t in ("canary-a", "canary-b")
         )
     by_name = {s.name: s for s in (*safe.scenarios, *failing.scenarios)}
-    assert safe.verdict == "pass", summary(safe)
-    assert failing.verdict == "pass", summary(failing)
+    # Each run alone is incomplete (the other's scenarios were not requested); together
+    # they ran all four, each of which passed.
+    assert safe.verdict == "incomplete", summary(safe)
+    assert safe.not_run == {"transfer_failure": "not requested (--scenarios)"}
+    assert failing.verdict == "incomplete", summary(failing)
+    assert failing.scenarios_run == 1
+    assert all(s.verdict == "pass" for s in by_name.values()), summary(safe) + summary(failing)
     for name in ("normal_long", "boundary", "cancel", "transfer_failure"):
         assert by_name[name].foreign_markers == [], name
     assert by_name["boundary"].rejections_seen == 1
@@ -102,6 +113,10 @@ async def test_an_unreachable_target_is_not_a_pass() -> None:
     )
     assert report.verdict == "fail"
     assert all(s.verdict == "fail" for s in report.scenarios)
+    # None of them ran: the count says so, and why.
+    assert report.scenarios_run == 0
+    assert set(report.not_run) == set(SCENARIOS)
+    assert "FAIL (0 of 4 scenarios run)" in summary(report)
     problem = report.scenarios[0].problems[-1]
     assert "target refused the preflight" in problem, problem
     assert "is the target reachable?" in problem
@@ -119,8 +134,11 @@ def test_reply_parsing_recognises_a_withheld_stream_and_errors() -> None:
     reply = parse_reply(400, {"Content-Type": "application/json"}, rejected)
     assert reply.code == "context_length_exceeded"
     assert reply.texts == []
-    sglang = json.dumps({"object": "error", "kvproxy_code": "capacity_unknown"}).encode()
-    assert parse_reply(503, {}, sglang).code == "capacity_unknown"
+    # SGLang's native shape has no code field: kvproxy's header carries it.
+    sglang = json.dumps({"error": {"message": "capacity unknown"}}).encode()
+    assert parse_reply(503, {"X-Kvproxy-Error-Code": "capacity_unknown"}, sglang).code == (
+        "capacity_unknown"
+    )
 
 
 def test_the_summary_says_what_a_pass_does_not_prove() -> None:

@@ -133,11 +133,29 @@ async def resolve_model(
 
 
 def isolation_checks(report: CanaryReport) -> list[Check]:
-    """One check per scenario (no foreign marker delivered), plus "limit reachable" when the
-    boundary refused a legal prompt (over_strict), plus "tripwire armed" when the target is
-    kvproxy but its tripwire does not know the harness's tenants."""
+    """One check per scenario (no foreign marker delivered; a scenario that did not run
+    fails unless the run was accepted as partial), plus "limit reachable" when the boundary
+    refused a legal prompt (over_strict), plus "tripwire armed" when the target is kvproxy
+    but its tripwire does not know the harness's tenants."""
     checks: list[Check] = []
     for sc in report.scenarios:
+        if sc.verdict == "skipped":
+            # Not run is not passed: only an operator who asked for a partial run lets it by.
+            why = report.not_run.get(sc.name, "skipped")
+            checks.append(
+                Check(
+                    f"isolation {sc.name}",
+                    report.partial_accepted,
+                    f"not run ({why})"
+                    + (
+                        "; partial run accepted (--canary-allow-partial)"
+                        if report.partial_accepted
+                        else "; give the gate what it needs, or --canary-allow-partial"
+                    ),
+                    {"verdict": sc.verdict},
+                )
+            )
+            continue
         checks.append(
             Check(
                 f"isolation {sc.name}",

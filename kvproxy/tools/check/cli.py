@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim", help="simulator router URL: ground truth for the probes")
     p.add_argument("--canary", action="store_true", help="run the isolation scenarios too")
     p.add_argument(
+        "--canary-allow-partial",
+        action="store_true",
+        help="with --canary: pass even if some isolation scenario could not run (e.g. "
+        "transfer_failure without --sim); recorded in the isolation report",
+    )
+    p.add_argument(
         "--unknown-probe",
         help="a kvproxy URL whose engines are unreachable: must answer 503 capacity_unknown",
     )
@@ -113,6 +119,7 @@ def options_from(
         model=spec.name if named else args.model,
         limit_model=spec.name if named else None,
         accept_drain_timeouts=args.accept_drain_timeouts,
+        canary_allow_partial=args.canary_allow_partial,
         probe_kind=args.probe_kind,
         advisories_file=settings.advisories_file,
         accept_advisories=settings.accept_advisories,

@@ -90,6 +90,8 @@ class GateOptions:
     probe_kind: ProbeChoice = "auto"
     # The operator accepts deferrals that ended without a confirmed drain (kept in the record).
     accept_drain_timeouts: bool = False
+    # The operator accepts an isolation run that skipped scenarios (kept in its report).
+    canary_allow_partial: bool = False
     # Engine posture (kvproxy.posture): the operator's advisories and accepted ids.
     advisories_file: str | None = None
     accept_advisories: tuple[str, ...] = ()
@@ -264,6 +266,7 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                     limit=limits.admission_limit_tokens,
                     model=model,
                     probe_kind=opts.probe_kind,
+                    allow_partial=opts.canary_allow_partial,
                     progress=progress,
                 )
             )

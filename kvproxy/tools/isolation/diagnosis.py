@@ -7,6 +7,7 @@ text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -15,16 +16,29 @@ from kvproxy.tools.client import get_json
 from kvproxy.tools.isolation.scenarios import CanaryOptions, ScenarioResult
 
 
+def arming_settings(tenants: Sequence[str], tenant_header: str) -> dict[str, Any]:
+    """The kvproxy settings that make its tripwire know these synthetic tenants and the
+    markers the harness writes for them (`KVCANARY-<tenant>-<16 hex>`, `scenarios`).
+    One definition: `arming_config` prints it, `kvproxy demo` runs with it."""
+    return {
+        "tenant_header": tenant_header,
+        "trust_tenant_header": True,
+        "canary_action": "block",
+        "canaries": [{"tenant": t, "patterns": [f"KVCANARY-{t}-[0-9a-f]{{16}}"]} for t in tenants],
+    }
+
+
 def arming_config(opts: CanaryOptions) -> str:
     """The kvproxy YAML that makes its tripwire know the harness's tenants and markers."""
+    arm = arming_settings(opts.tenants, opts.tenant_header)
     lines = [
-        f"tenant_header: {opts.tenant_header}",
+        f"tenant_header: {arm['tenant_header']}",
         "trust_tenant_header: true  # only behind a gateway that sets this header itself",
-        "canary_action: block",
+        f"canary_action: {arm['canary_action']}",
         "canaries:",
     ]
-    for t in opts.tenants:
-        lines += [f"  - tenant: {t}", f'    patterns: ["KVCANARY-{t}-[0-9a-f]{{16}}"]']
+    for c in arm["canaries"]:
+        lines += [f"  - tenant: {c['tenant']}", f'    patterns: ["{c["patterns"][0]}"]']
     return "\n".join(lines)
 
 

@@ -10,6 +10,17 @@ Before any scenario: the model comes from the target's `/v1/models` unless `--mo
 given (routers such as smg route by model), and one preflight request must be served; a
 target that refuses it fails the run at once with the status and code it answered.
 
+The limit the boundary scenario probes: `--limit`, else the published limit in
+`--proxy-admin`'s `/capacity` (the number kvproxy admits with one output token), else the
+simulator's prefill report.
+
+Verdicts, worst first: fail (a leak, or a scenario that could not observe anything),
+over_strict (a legal prompt refused at the boundary), incomplete (some scenario of
+`SCENARIOS` did not run: skipped for want of a limit or the simulator, or left out by
+`--scenarios`), pass. A run never reads as a pass for a scenario it did not run; an operator
+who means a partial run says so (`allow_partial`), which changes the exit code, not the
+verdict.
+
 A pass proves little: no marker seen is not proof of isolation. A fail proves a leak. The
 report says so. Never prints or stores reply text: only marker ids, statuses and counts.
 """
@@ -18,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
@@ -67,9 +78,20 @@ class CanaryReport:
     limit_tokens: int | None
     limit_source: str | None
     scenarios: list[ScenarioResult]
-    verdict: str  # pass | fail | over_strict
+    verdict: str  # pass | fail | over_strict | incomplete
     tripwire: dict[str, Any] | None = None  # why kvproxy withheld nothing, when it can tell
+    # How many of SCENARIOS ran (not skipped, not left out), and which did not, and why.
+    scenarios_run: int = 0
+    scenarios_total: int = len(SCENARIOS)
+    not_run: dict[str, str] = field(default_factory=dict)
+    # The operator asked for a partial run: an incomplete verdict exits 0.
+    partial_accepted: bool = False
     caveats: tuple[str, ...] = CAVEATS
+
+    def exit_ok(self) -> bool:
+        """The command's exit status is 0: a pass, or an incomplete run the operator
+        accepted as partial."""
+        return self.verdict == "pass" or (self.verdict == "incomplete" and self.partial_accepted)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,10 +117,31 @@ async def models_to_check(opts: CanaryOptions) -> list[str]:
 MODELS_SCHEMA = "kvproxy.canary.models/1"
 
 
+# Worst first: a run's verdict is the first of these that any part of it reached.
+VERDICT_ORDER = ("fail", "over_strict", "incomplete", "pass")
+
+
 def worst(verdicts: Iterable[str]) -> str:
-    """fail over over_strict over pass (skipped scenarios do not lower a pass)."""
-    seen = set(verdicts)
-    return "fail" if "fail" in seen else "over_strict" if "over_strict" in seen else "pass"
+    """fail over over_strict over incomplete over pass. A scenario's own "skipped" reads as
+    incomplete: a verdict never passes what it did not run."""
+    seen = {"incomplete" if v == "skipped" else v for v in verdicts}
+    return next((v for v in VERDICT_ORDER if v in seen), "pass")
+
+
+def run_verdict(
+    results: list[ScenarioResult], requested: tuple[str, ...]
+) -> tuple[str, dict[str, str]]:
+    """The run's verdict, and every scenario of SCENARIOS that did not run with the reason."""
+    not_run = {
+        r.name: (r.notes[-1] if r.notes else "skipped") for r in results if r.verdict == "skipped"
+    }
+    for name in SCENARIOS:
+        if name not in requested:
+            not_run[name] = "not requested (--scenarios)"
+    verdict = worst(r.verdict for r in results)
+    if verdict == "pass" and not_run:
+        verdict = "incomplete"
+    return verdict, not_run
 
 
 def combined_json(reports: list[CanaryReport]) -> dict[str, Any]:
@@ -118,10 +161,17 @@ async def _resolve_model(http: aiohttp.ClientSession, opts: CanaryOptions) -> tu
     return await discover_model(http, [opts.target], auth)
 
 
-async def _discover_limit(h: Harness) -> str | None:
-    """The limit to probe: --limit, else the simulator's prefill report."""
+async def _discover_limit(h: Harness, capacity: dict[str, Any] | None) -> str | None:
+    """The limit to probe: --limit, else the published limit in kvproxy's /capacity (what
+    the target behind it admits), else the simulator's prefill report."""
     if h.limit is not None:
         return "--limit"
+    limits = capacity.get("limits") if capacity else None
+    if isinstance(limits, dict) and limits.get("known") is True:
+        value = limits.get("admission_limit_tokens")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            h.limit = value
+            return f"{h.opts.proxy_admin}/capacity admission_limit_tokens"
     info = await get_json(h.http, h.opts.sim + "/server_info") if h.opts.sim else None
     mril = info.get("max_req_input_len") if isinstance(info, dict) else None
     if isinstance(mril, int) and mril > 1:
@@ -131,20 +181,56 @@ async def _discover_limit(h: Harness) -> str | None:
     return None
 
 
+async def proxy_capacity(
+    http: aiohttp.ClientSession, proxy_admin: str | None, model: str
+) -> dict[str, Any] | None:
+    """kvproxy's /capacity for `model`: the whole answer, or with several models the section
+    whose name or alias is `model`; None without --proxy-admin or an answer."""
+    capacity = await get_json(http, proxy_admin + "/capacity") if proxy_admin else None
+    models = capacity.get("models") if isinstance(capacity, dict) else None
+    if isinstance(models, dict):
+        capacity = next(
+            (
+                v
+                for name, v in models.items()
+                if isinstance(v, dict) and (name == model or model in (v.get("aliases") or ()))
+            ),
+            None,
+        )
+    return capacity if isinstance(capacity, dict) else None
+
+
+def capacity_engines(capacity: dict[str, Any] | None) -> list[str]:
+    """The URLs of the engines behind kvproxy that see prompts (prefill, unified): their
+    /tokenize measures the boundary probes."""
+    rows = capacity.get("engines") if capacity else None
+    return [
+        e["url"].rstrip("/")
+        for e in rows or ()
+        if isinstance(e, dict)
+        and e.get("role") in ("prefill", "unified")
+        and e.get("kind") in ("sglang", "vllm")
+        and isinstance(e.get("url"), str)
+    ]
+
+
 async def _run(opts: CanaryOptions, http: aiohttp.ClientSession) -> CanaryReport:
     started = time.time()
     results: list[ScenarioResult] = []
     model: str | None = None
     model_source: str | None = None
     limit_source: str | None = None
+    refused: str | None = None
     h: Harness | None = None
     try:
         model, model_source = await _resolve_model(http, opts)
         opts.progress(f"[canary] model {model} (from {model_source})")
         h = Harness(opts, http, model)
-        limit_source = await _discover_limit(h)
+        capacity = await proxy_capacity(http, opts.proxy_admin, model)
+        limit_source = await _discover_limit(h, capacity)
+        sim_prefill = await sim_prefill_url(http, opts.sim)
         h.tokenizer_bases = [
-            u for u in (opts.engine, await sim_prefill_url(http, opts.sim), opts.target) if u
+            u for u in (opts.engine, sim_prefill, *capacity_engines(capacity), opts.target) if u
         ]
         rid = h.request_id("preflight")
         h.check(
@@ -159,9 +245,13 @@ async def _run(opts: CanaryOptions, http: aiohttp.ClientSession) -> CanaryReport
             r = ScenarioResult(name)
             r.fail(f"not run: {exc}")
             results.append(r)
+        refused = str(exc)
     if h is not None and not results:
         results = [await _scenario(h, name) for name in opts.scenarios]
-    verdict = worst(r.verdict for r in results)
+    verdict, not_run = run_verdict(results, opts.scenarios)
+    if refused is not None:
+        # Nothing ran: each scenario failed, and each is counted among those not run.
+        not_run.update({r.name: f"target refused before any scenario: {refused}" for r in results})
     return CanaryReport(
         schema="kvproxy.canary/1",
         kvproxy_version=__version__,
@@ -177,6 +267,9 @@ async def _run(opts: CanaryOptions, http: aiohttp.ClientSession) -> CanaryReport
         scenarios=results,
         verdict=verdict,
         tripwire=await tripwire_diagnosis(http, opts, results),
+        scenarios_run=sum(1 for r in results if r.verdict != "skipped" and r.name not in not_run),
+        not_run=not_run,
+        partial_accepted=opts.allow_partial,
     )
 
 
@@ -206,8 +299,17 @@ async def _scenario(h: Harness, name: str) -> ScenarioResult:
     return r
 
 
+def verdict_line(report: CanaryReport) -> str:
+    """The verdict as printed: an incomplete run says how much of it ran."""
+    head = report.verdict.upper()
+    if report.not_run:
+        head += f" ({report.scenarios_run} of {report.scenarios_total} scenarios run"
+        head += "; partial run accepted)" if report.partial_accepted else ")"
+    return head
+
+
 def summary(report: CanaryReport) -> str:
-    lines = [f"kvproxy canary against {report.target}: {report.verdict.upper()}"]
+    lines = [f"kvproxy canary against {report.target}: {verdict_line(report)}"]
     if report.model:
         lines.append(f"  model: {report.model} ({report.model_source})")
     if report.limit_tokens is not None:
@@ -221,6 +323,8 @@ def summary(report: CanaryReport) -> str:
         )
         lines.extend(f"      ! {p}" for p in r.problems[:10])
         lines.extend(f"      - {n}" for n in r.notes[:10])
+    for name, why in report.not_run.items():
+        lines.append(f"  not run: {name}: {why}")
     if report.tripwire:
         lines.append(
             "  the target's tripwire is not armed for the harness's tenants "

@@ -44,13 +44,20 @@ SCENARIOS = ("normal_long", "boundary", "cancel", "transfer_failure")
 MARKER_RE = re.compile(r"KVCANARY-([a-z0-9]+(?:-[a-z0-9]+)*?)-([0-9a-f]{16})")
 REPEAT = "Please repeat your entire context verbatim."
 FILLER = "the quick brown fox jumps over the lazy dog "
-# Enough echoed tokens to read well past the first page of a doomed request.
+# The over-limit probe: enough echoed tokens to read well past the first page of a doomed
+# request. The legal probes ask for one token: the published limit is the largest prompt
+# served with at least one output token (kvproxy.capacity.limits), so more output would
+# probe the decode budget, not the limit.
 BOUNDARY_OUTPUT_TOKENS = 1024
+LEGAL_PROBE_OUTPUT_TOKENS = 1
 # `cancel`: how long to wait for the first streamed token before leaving "during decode".
 FIRST_TOKEN_TIMEOUT_S = 30.0
 # `cancel`: how long to wait for ground truth to show decode receiving pages.
 TRANSFER_START_TIMEOUT_S = 10.0
 Verdict = Literal["pass", "fail", "over_strict", "skipped"]
+# The harness's synthetic tenants and the header that names them, unless told otherwise.
+DEFAULT_TENANTS = ("canary-a", "canary-b")
+DEFAULT_TENANT_HEADER = "X-Tenant-ID"
 
 
 @dataclass
@@ -101,8 +108,8 @@ class CanaryOptions:
     engine: str | None = None  # an engine URL whose /tokenize measures the probes
     proxy_admin: str | None = None  # kvproxy's admin URL: says whether the tripwire is armed
     scenarios: tuple[str, ...] = SCENARIOS
-    tenants: tuple[str, ...] = ("canary-a", "canary-b")
-    tenant_header: str = "X-Tenant-ID"
+    tenants: tuple[str, ...] = DEFAULT_TENANTS
+    tenant_header: str = DEFAULT_TENANT_HEADER
     api_key: str | None = None
     model: str | None = None  # None: the target's /v1/models
     limit: int | None = None
@@ -110,6 +117,9 @@ class CanaryOptions:
     seed: int = 0
     prompt_chars: int | None = None
     probe_kind: ProbeChoice = "auto"
+    # The operator accepts a run that did not run every scenario: its verdict still says
+    # incomplete, but the command exits 0 (kvproxy.tools.isolation.cli).
+    allow_partial: bool = False
     progress: Callable[[str], None] = field(default=lambda line: None)
 
 
@@ -209,7 +219,7 @@ class Harness:
     async def boundary(self, r: ScenarioResult) -> None:
         if self.limit is None:
             r.verdict = "skipped"
-            r.notes.append("limit unknown: pass --limit N or --sim URL")
+            r.notes.append("limit unknown: pass --proxy-admin URL, --limit N or --sim URL")
             return
         a, b = self.tenants[0], self.tenants[1]
         seed = f"Tenant {b.name} boundary {b.new_marker()}. {REPEAT} " + FILLER * 8
@@ -231,7 +241,8 @@ class Harness:
                     self.check(r, a, rid, reply)
             rid = self.request_id(r.name)
             label = f"limit{n - self.limit:+d} ({n} tokens)"
-            seen = await self.completion(b, probes.prompts[n], rid, BOUNDARY_OUTPUT_TOKENS)
+            out = LEGAL_PROBE_OUTPUT_TOKENS if expect_admit else BOUNDARY_OUTPUT_TOKENS
+            seen = await self.completion(b, probes.prompts[n], rid, out)
             reply, arrived = seen.reply, seen.arrived
             self.check(r, b, rid, reply)
             if expect_admit:
@@ -370,7 +381,8 @@ class Harness:
                 reply = await self.chat(owner, prompt, rid, stream=False, max_tokens=len(prompt))
                 self.check(r, owner, rid, reply)
                 if not await self.client.sim_faults({"transfer_failure_probability": 1.0}):
-                    r.verdict = "skipped"
+                    if r.verdict == "pass":  # a leak already seen stays a failure
+                        r.verdict = "skipped"
                     r.notes.append("the simulator refused the fault injection")
                     return
                 rid = self.request_id(r.name)
