@@ -14,8 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvproxy.policy import invalid_request
-from kvproxy.prompt.parse import _ids, _media_count
-from kvproxy.prompt.shape import SequencePrompt
+from kvproxy.prompt.shape import SequencePrompt, media_count, strings_or_token_ids, token_ids
 
 # Tokens allowed per pair for a reranker's prompt wrapper, added to every pair's count: a
 # cross-encoder adds ~3 special tokens; Qwen3-Reranker's published prompt format wraps each
@@ -31,22 +30,7 @@ _Parsed = tuple[tuple[SequencePrompt, ...], str]
 def _embeddings(data: Mapping[str, Any]) -> _Parsed:
     """OpenAI `input`: a string, strings, token ids, or lists of token ids; each a sequence.
     Multimodal objects are refused: SGLang renders them through a template kvproxy lacks."""
-    value = data.get("input")
-    if isinstance(value, str):
-        return (SequencePrompt(texts=(value,)),), "input"
-    if not isinstance(value, list) or not value:
-        raise invalid_request(
-            "input must be a string, an array of strings or an array of token ids", "input"
-        )
-    first = value[0]
-    if isinstance(first, str):
-        if not all(isinstance(x, str) for x in value):
-            raise invalid_request("input must not mix strings and other types", "input")
-        return tuple(SequencePrompt(texts=(x,)) for x in value), "input"
-    if isinstance(first, list):
-        seqs = tuple(SequencePrompt(token_ids=_ids(x, f"input[{i}]")) for i, x in enumerate(value))
-        return seqs, "input"
-    return (SequencePrompt(token_ids=_ids(value, "input")),), "input"
+    return strings_or_token_ids(data.get("input"), "input"), "input"
 
 
 def _rerank(data: Mapping[str, Any]) -> _Parsed:
@@ -83,8 +67,10 @@ def _score(data: Mapping[str, Any]) -> _Parsed:
         return tuple(SequencePrompt(texts=(query, x)) for x in items), "items"
     if not isinstance(query, list):
         raise invalid_request("query must be a string or an array of token ids", "query")
-    q = _ids(query, "query")
-    seqs = tuple(SequencePrompt(token_ids=q + _ids(x, f"items[{i}]")) for i, x in enumerate(items))
+    q = token_ids(query, "query")
+    seqs = tuple(
+        SequencePrompt(token_ids=q + token_ids(x, f"items[{i}]")) for i, x in enumerate(items)
+    )
     return seqs, "items"
 
 
@@ -98,14 +84,14 @@ def _encode(data: Mapping[str, Any]) -> _Parsed:
         return _embeddings(data)
     if (text is None) == (input_ids is None):
         raise invalid_request("exactly one of text or input_ids is required", "text")
-    images = _media_count(data.get("image_data"), "image_data")
-    images += _media_count(data.get("video_data"), "video_data")
-    audios = _media_count(data.get("audio_data"), "audio_data")
+    images = media_count(data.get("image_data"), "image_data")
+    images += media_count(data.get("video_data"), "video_data")
+    audios = media_count(data.get("audio_data"), "audio_data")
     if input_ids is not None:
         if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-            counts = [_ids(x, f"input_ids[{i}]") for i, x in enumerate(input_ids)]
+            counts = [token_ids(x, f"input_ids[{i}]") for i, x in enumerate(input_ids)]
         else:
-            counts = [_ids(input_ids, "input_ids")]
+            counts = [token_ids(input_ids, "input_ids")]
         return tuple(
             SequencePrompt(token_ids=n, images=images, audios=audios) for n in counts
         ), "input_ids"

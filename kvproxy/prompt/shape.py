@@ -146,3 +146,61 @@ def _json_text(value: Any, param: str) -> str:
         return orjson.dumps(value).decode("utf-8")
     except (orjson.JSONEncodeError, TypeError):
         raise invalid_request(f"{param} is nested too deeply", param) from None
+
+
+# --- the field shapes several routes share -------------------------------------------------
+
+
+def token_ids(ids: Any, param: str) -> int:
+    """How many ids a token-id array holds (a 400 naming `param` unless it is one)."""
+    if not isinstance(ids, list) or not ids:
+        raise invalid_request(f"{param} must be a non-empty array of token ids", param)
+    # One C-level pass (about 8 ms per million ids); bool is rejected because type() is exact.
+    if set(map(type, ids)) != {int} or min(ids) < 0:
+        raise invalid_request(f"{param} must contain non-negative integers only", param)
+    return len(ids)
+
+
+def media_count(value: Any, param: str) -> int:
+    """Items in image_data/audio_data, counted for every sequence (an over-count is safe).
+
+    Iterative on purpose: orjson accepts lists nested 1,023 deep, past Python's recursion
+    limit, and a RecursionError here would be a 500 instead of a count."""
+    if value is None:
+        return 0
+    if isinstance(value, (str, dict)):
+        return 1
+    if not isinstance(value, list):
+        raise invalid_request(f"{param} must be a string, an object or an array", param)
+    count, pending = 0, [value]
+    while pending:
+        for item in pending.pop():
+            if isinstance(item, list):
+                pending.append(item)
+            else:
+                count += 1
+    return count
+
+
+def strings_or_token_ids(
+    value: Any, param: str, extra: tuple[str, ...] = ()
+) -> tuple[SequencePrompt, ...]:
+    """OpenAI's `prompt` / `input` shape: a string, strings, token ids, or arrays of token
+    ids; each one sequence, with `extra` (a completions suffix) in every one."""
+    if isinstance(value, str):
+        return (SequencePrompt(texts=(value, *extra)),)
+    if not isinstance(value, list) or not value:
+        raise invalid_request(
+            f"{param} must be a string, an array of strings or an array of token ids", param
+        )
+    first = value[0]
+    if isinstance(first, str):
+        if not all(isinstance(x, str) for x in value):
+            raise invalid_request(f"{param} must not mix strings and other types", param)
+        return tuple(SequencePrompt(texts=(x, *extra)) for x in value)
+    if isinstance(first, list):
+        return tuple(
+            SequencePrompt(token_ids=token_ids(x, f"{param}[{i}]"), texts=extra)
+            for i, x in enumerate(value)
+        )
+    return (SequencePrompt(token_ids=token_ids(value, param), texts=extra),)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvproxy.config import ConfigError, Settings, effective_tokenizer
-from kvproxy.policy.counts import CountMethod, TokenCount
+from kvproxy.policy import CountMethod, TokenCount
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
 from kvproxy.tokens.counter import TokenCounter
