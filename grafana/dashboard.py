@@ -597,6 +597,14 @@ HEALTH = Row(
             threshold_line=True,
         ),
         Panel(
+            "Event-loop tasks",
+            "timeseries",
+            "Tasks alive on each instance's event loop. Growth that in-flight requests do not "
+            "explain is a leak (a relay or deferred cancellation that never ended).",
+            (Query(f"max by (instance) ({sel('kvproxy_event_loop_tasks')})", "{{instance}}"),),
+            unit="none",
+        ),
+        Panel(
             "Error responses by status (/s), upstream errors by outcome",
             "timeseries",
             "4xx/5xx sent to clients (400 includes kvproxy's rejections) and upstream "

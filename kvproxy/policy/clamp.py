@@ -68,6 +68,11 @@ def _clamp_sampling(sp: Any, cap: int) -> Any:
         return {"max_new_tokens": cap}
     if isinstance(sp, dict):
         return _clamp_item(sp, cap)
+    if isinstance(sp, list) and not sp:
+        raise invalid_request(
+            "sampling_params must be an object or a non-empty array of objects",
+            "sampling_params",
+        )
     if isinstance(sp, list):
         out = []
         for i, item in enumerate(sp):

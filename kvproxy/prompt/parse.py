@@ -113,6 +113,13 @@ def _sampling(sp: Any) -> tuple[int | None, int]:
     """SGLang's sampling_params: one object, or one per batch item."""
     if sp is None:
         return None, 1
+    if isinstance(sp, list) and not sp:
+        # No item to read a cap from: SGLang has nothing to apply either, and a clamp would
+        # have nothing to lower, so the body is refused rather than run uncapped.
+        raise invalid_request(
+            "sampling_params must be an object or a non-empty array of objects",
+            "sampling_params",
+        )
     items = sp if isinstance(sp, list) else [sp]
     outs: list[int | None] = []
     n = 1
