@@ -28,6 +28,7 @@ from kvproxy.errors import KvproxyError
 from kvproxy.prompt import parse_request
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, content_formats
 from kvproxy.tokens.counter import TokenCounter
+from kvproxy.tokens.guarantee import ChatGuarantee
 from kvproxy.tokens.local import HfTokenizer, load_hf
 
 CHAT = "/v1/chat/completions"
@@ -172,6 +173,20 @@ def engine_count(model: str, body: dict[str, Any]) -> int:
     )
 
 
+def guaranteed(model: str, body: dict[str, Any]) -> int:
+    """kvproxy's guaranteed bound of `body` with the model's template (tokens.guarantee)."""
+    _, local = _loaded(model)
+    assert local.template is not None
+    g = ChatGuarantee.build(
+        local.template.source, local.bound_rule, local.special_tokens, local.template.special_tokens
+    )
+    assert isinstance(g, ChatGuarantee), g
+    shape = parse_request("chat", orjson.dumps(body))
+    bound = g.tokens(shape.body, "chat", 0)
+    assert bound is not None
+    return bound
+
+
 def kvproxy_count(model: str, body: dict[str, Any], *, template: bool = True) -> tuple[int, int]:
     """kvproxy's (count, bound): exact with the model's tokenizer and template, or (template
     False) the template-free byte bound of the `bytes` tokenizer, twice."""
@@ -267,14 +282,17 @@ SERVE_CASES = [
 async def test_serve_rejects_the_family_with_a_pool_below_the_engine_count(
     case: str, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    """Pool between the old (under) count and the engine's: rejected, nothing forwarded;
-    with a pool just above the engine's count the same request is admitted."""
+    """Pool between the old (under) count and the engine's: rejected, nothing forwarded.
+    These bodies use features kvproxy's exact count is not verified for, so they are
+    decided by the guaranteed bound: with a pool above it the same request is admitted."""
     model, body = FAMILIES[case]
     truth = engine_count(model, body)
     body = {**body, "model": "m", "max_tokens": 1}
+    bound = guaranteed(model, body)
+    assert bound >= truth
     await _answering(upstream)
     replies = []
-    for capacity in (truth - 1, truth + 64):
+    for capacity in (truth - 1, bound + 64):
         async with running_proxy(
             upstream.url,
             engines=static_engines(capacity=capacity),
