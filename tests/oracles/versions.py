@@ -27,8 +27,7 @@ changed across releases).
 
 from __future__ import annotations
 
-import orjson
-import transformers
+from importlib.metadata import version
 
 SGLANG = "0.5.23"
 SGLANG_LEGACY = "0.5.9"
@@ -58,5 +57,5 @@ ARTIFACTS: dict[str, tuple[str, str]] = {
     ),
 }
 
-TRANSFORMERS_VERSION: str = transformers.__version__
-ORJSON_VERSION: str = orjson.__version__
+TRANSFORMERS_VERSION: str = version("transformers")
+ORJSON_VERSION: str = version("orjson")
