@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from oracles import sglang
 from oracles.common import Refused, Unmodelled
+from oracles.corpus import CASES
 from oracles.fuzz import CLASSES
 
 PROTOCOL = os.environ.get("KVPROXY_SGLANG_PROTOCOL")
@@ -120,6 +121,17 @@ def test_the_replica_validates_and_dumps_as_sglang_does() -> None:
             mismatches.append(f"{body[:300]!r}\n  ours   {ours}\n  theirs {theirs}")
 
     one()
+    for case in CASES:
+        if case.route != "chat":
+            continue
+        parsed = sglang.parse(case.bytes())
+        try:
+            ours = _ours(parsed)
+        except Unmodelled:
+            continue
+        compared += 1
+        if _ordered(ours) != _ordered(_theirs(protocol, parsed)):
+            mismatches.append(f"corpus {case.name}")
     assert compared > 200
     assert not mismatches, f"{len(mismatches)} of {compared}:\n" + "\n".join(
         m[:2000] for m in mismatches[:3]
