@@ -1,0 +1,44 @@
+"""Shared state of the oracle suites: one model-by-model pass per session (`fast_run`: one
+model per template family; `slow_run`: every shipped template), which the corpus and fuzz
+tests read, and the per-template summary printed at the end of the run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+from tokenizer_files import cache_root
+
+from oracles.models import REPRESENTATIVES, template_models
+from oracles.report import REPORT
+from oracles.run import Result, run
+
+# Fuzz examples per class and model: fast (9 models, in `make test`) and slow.
+FAST_EXAMPLES = int(os.environ.get("KVPROXY_ORACLE_FAST_EXAMPLES", "4"))
+SLOW_EXAMPLES = int(os.environ.get("KVPROXY_ORACLE_SLOW_EXAMPLES", "20"))
+
+
+@pytest.fixture(scope="session")
+def fast_run() -> Result:
+    return run(REPRESENTATIVES, FAST_EXAMPLES, derandomize=True, suite="fast")
+
+
+@pytest.fixture(scope="session")
+def slow_run() -> Result:
+    models = tuple(template_models())
+    return run(models, SLOW_EXAMPLES, derandomize=True, suite="slow", every_model=True)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    lines = REPORT.lines()
+    if not lines:
+        return
+    terminalreporter.section("oracles: kvproxy vs each engine's preprocessing, per template")
+    for line in lines:
+        terminalreporter.write_line(line)
+    path = cache_root() / "oracle-report.txt"
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        terminalreporter.write_line(f"(also in {path})")

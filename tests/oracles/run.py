@@ -1,0 +1,112 @@
+"""One pass of the differential suites over a set of models, model by model: each model
+(and its kvproxy counters, ~5 s to build) is loaded once, every corpus case and every fuzz
+class runs on it, then it is released. The corpus and fuzz tests read the result.
+
+    result = run(models, fuzz_examples=6, derandomize=True)
+    result.corpus[(case, engine)] -> [(model, Outcome)]
+    result.fuzz[klass] -> [Violation], result.fuzz_checked[klass] -> count
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from oracles import corpus, fuzz
+from oracles.check import KVPROXY_ENGINE, Outcome, check
+from oracles.kvproxy_side import KvproxySide, config_key
+from oracles.models import REPRESENTATIVES, Model, load_model
+from oracles.report import REPORT
+
+
+@dataclass(frozen=True)
+class Violation:
+    klass: str
+    model: str
+    engine: str
+    route: str
+    problem: str
+    body: bytes
+
+
+@dataclass
+class Result:
+    corpus: dict[tuple[str, str], list[tuple[str, Outcome]]] = field(default_factory=dict)
+    fuzz: dict[str, list[Violation]] = field(default_factory=lambda: defaultdict(list))
+    fuzz_checked: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: float = 0.0
+
+
+def run(
+    models: tuple[str, ...],
+    fuzz_examples: int,
+    *,
+    derandomize: bool,
+    suite: str,
+    every_model: bool = False,
+) -> Result:
+    """`every_model`: every corpus case on every model of the run (the slow form), else on
+    its own models (one per family) among those of the run."""
+    t0 = time.monotonic()
+    result = Result()
+    for name in models:
+        model = load_model(name)
+        side = _Sides(model)
+        try:
+            for case in corpus.CASES:
+                if not every_model and name not in (case.models or REPRESENTATIVES):
+                    continue
+                for engine in case.engines:
+                    out = check(side(engine), engine, model, case.route, case.bytes())
+                    REPORT.add(f"{suite}-corpus", name, engine, out)
+                    result.corpus.setdefault((case.name, engine), []).append((name, out))
+            if fuzz_examples:
+                for klass, strategy in fuzz.CLASSES.items():
+                    _fuzz(result, suite, klass, strategy, model, side, fuzz_examples, derandomize)
+        finally:
+            side.close()
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+class _Sides:
+    """kvproxy counters for one model, one per kvproxy configuration, built on demand."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.sides: dict[str, KvproxySide] = {}
+
+    def __call__(self, engine: str) -> KvproxySide:
+        key = config_key(KVPROXY_ENGINE[engine])
+        if key not in self.sides:
+            self.sides[key] = KvproxySide(self.model.directory, key)
+        return self.sides[key]
+
+    def close(self) -> None:
+        for s in self.sides.values():
+            s.close()
+
+
+def _fuzz(result, suite, klass, strategy, model, side, examples, derandomize):  # type: ignore[no-untyped-def]
+    @settings(
+        max_examples=examples,
+        derandomize=derandomize,
+        database=None,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(st.data())
+    def one(data: st.DataObject) -> None:
+        route, engine, body = data.draw(strategy)
+        out = check(side(engine), engine, model, route, body)
+        REPORT.add(suite, model.name, engine, out)
+        result.fuzz_checked[klass] += 1
+        for p in out.problems:
+            result.fuzz[klass].append(Violation(klass, model.name, engine, route, p, body))
+
+    one()
