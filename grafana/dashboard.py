@@ -326,6 +326,21 @@ REJECTIONS = Row(
             overrides=(right_axis("over bound (/s)", "reqps"), styled("over bound (/s)", "red")),
         ),
         Panel(
+            "Exact count withheld: unverified request features (/s)",
+            "timeseries",
+            "Requests decided by the guaranteed bound because they use a feature kvproxy's exact "
+            "count is not verified for on the engines and router in front (README: where the "
+            "exact count is verified), by feature. Near the limit such requests are refused "
+            "where an exact count might have admitted them.",
+            (
+                Query(
+                    f"sum by (feature) (rate({sel('kvproxy_unverified_features_total')}[{RATE}]))",
+                    "{{feature}}",
+                ),
+            ),
+            unit="reqps",
+        ),
+        Panel(
             "Tokenizer backend in use (pods)",
             "timeseries",
             "Pods counting exactly with each library. fastokens counts only after it agreed "

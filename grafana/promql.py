@@ -56,6 +56,7 @@ MODEL_LABELLED = frozenset({
     "kvproxy_prompt_tokens_bucket",
     "kvproxy_prompt_tokens",
     "kvproxy_token_bound_exceeded_total",
+    "kvproxy_unverified_features_total",
 })  # fmt: skip
 MODEL_FILTER = 'model=~"$model"'
 

@@ -257,6 +257,14 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.unverified_features = Counter(
+            "kvproxy_unverified_features_total",
+            "Requests whose exact count was withheld because they use a request feature not "
+            "verified for the engines and router in front (decided by the bound instead), "
+            "by feature (a closed vocabulary, kvproxy.tokens.features) and model.",
+            ["feature", "model"],
+            registry=r,
+        )
         self.token_bound_exceeded = Counter(
             "kvproxy_token_bound_exceeded_total",
             "Responses whose usage.prompt_tokens exceeded kvproxy's count or bound "

@@ -256,6 +256,8 @@ async def _admit(
     m = services.metrics
     m.admission_duration.labels(count.method).observe(time.perf_counter() - t0)
     m.prompt_tokens.labels(count.method, svc.name).observe(count.tokens)
+    for feature in count.unverified:  # names from a closed vocabulary, never content (I8)
+        m.unverified_features.labels(feature, svc.name).inc()
     rec.prompt_tokens = count.tokens
     rec.count_method = count.method
     rec.prompt_tokens_kind = count.kind

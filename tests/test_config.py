@@ -67,3 +67,34 @@ def test_serve_and_check_read_config_without_setting_the_environment(tmp_path: P
     assert (opts.max_context, opts.limit_margin_tokens) == (8192, 15)
     assert dict(os.environ) == before
     assert "KVPROXY_CONFIG" not in os.environ
+
+
+def test_router_kind_is_validated_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPROXY_ROUTER_KIND", "nginx")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("invalid setting router_kind (KVPROXY_ROUTER_KIND):")
+    assert "'smg'" in message
+    assert "'auto'" in message
+    monkeypatch.setenv("KVPROXY_ROUTER_KIND", "smg")
+    assert load_settings().router_kind == "smg"
+    monkeypatch.delenv("KVPROXY_ROUTER_KIND")
+    assert load_settings().router_kind == "auto"
+
+
+def test_router_kind_per_model_inherits_the_top_level_one() -> None:
+    from kvproxy.models_config import model_settings
+
+    engines = [{"url": "http://127.0.0.1:1", "kind": "sglang"}]
+    s = load_settings(
+        router_kind="smg",
+        models=[
+            {"name": "a", "engines": engines},
+            {"name": "b", "engines": engines, "router_kind": "none"},
+        ],
+    )
+    assert [ms.router_kind for _, ms in model_settings(s)] == ["smg", "none"]
+    with pytest.raises(ConfigError, match=r"^invalid setting models\.0\.router_kind "):
+        load_settings(models=[{"name": "a", "engines": engines, "router_kind": "haproxy"}])

@@ -183,10 +183,10 @@ class CapacityMonitor:
                 raise RuntimeError("CapacityMonitor.refresh_now() needs start() or a session")
             await self._discover()
             states = list(self._engines.values())
-            detection, *_ = await asyncio.gather(
-                self._detect_router(), *(self._probe(st) for st in states)
-            )
-            self._observe(detection)
+            await asyncio.gather(*(self._probe(st) for st in states))
+            # After the probes: the versions they found decide whether the router matters.
+            self._observe(None)
+            self._observe(await self._detect_router())
             self._refreshes += 1
             self.posture.update(
                 (st.label, st.spec.role, st.spec.kind,
@@ -198,9 +198,10 @@ class CapacityMonitor:
             return self._limits
 
     async def _detect_router(self) -> Detection | None:
-        """Under router_kind auto: ask the upstream what it is, when due. A configured kind is
+        """Under router_kind auto: ask the upstream what it is, when due and when the answer
+        could change what is verified (`Verifier.router_matters`). A configured kind is
         checked once, and only logged when the upstream looks like something else."""
-        if self.verifier is None or self._session is None:
+        if self.verifier is None or self._session is None or not self.verifier.router_matters():
             return None
         now = self._clock()
         auto = self._settings.router_kind == "auto"

@@ -27,10 +27,12 @@ Conclusions, first match wins:
   6. /version answers a version string                           -> none (vLLM)
   otherwise                                                      -> not detected
 
-"Not detected" fails towards unverified: the verified table is read for an unknown router,
-which keeps only what holds behind every router (`tokens.verified`); detection is tried
-again at the next capacity refresh. An upstream that requires an API key for /workers
-answers 401 there and is classified by the other answers.
+The monitor asks only when the answer matters: when the engines' kinds and versions read
+rows of the verified table that differ by router (not for a static pool, nor for versions
+no row names). "Not detected" fails towards unverified: the verified table is read for
+an unknown router, which keeps only what holds behind every router (`tokens.verified`);
+detection is tried again at the next capacity refresh. An upstream that requires an API
+key for /workers answers 401 there and is classified by the other answers.
 
 Must never: send anything but these GETs, follow redirects, or read more than
 `MAX_ANSWER_BYTES` of an answer.

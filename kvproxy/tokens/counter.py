@@ -362,7 +362,9 @@ class TokenCounter:
             plans = await self._offload(self._plan, shape)
             decided = self._on_bound(plans, admit_at_most, total_at_most)
             if decided is None:
-                decided = self._gated(shape, plans)
+                # Off the loop too: reading a large body's features parses its tool-call
+                # argument strings.
+                decided = await self._offload(self._gated, shape, plans)
             if decided is not None:
                 return decided
             if any(p.framed for p in plans):

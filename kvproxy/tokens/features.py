@@ -37,12 +37,14 @@ Feature names, by where they live:
     continue_final_message     set to true
     reasoning_effort, reasoning_effort:none, reasoning (SGLang's object)
     kwarg:enable_thinking|thinking|reasoning_effort|special_token|other   chat_template_kwargs
-    number:float               a float anywhere a template can print it (orjson turns
-                               integers beyond 64 bits into floats, so they land here too)
+    number:float               a float anywhere a template can print it
     number:big_int             an integer beyond 2**53 (JSON's exact range in a float64
-                               re-serialiser, smg's)
-    prompt:ids, prompt:batch, suffix, echo, generate:input_ids, generate:media,
-    generate:batch             completions and /generate forms
+                               re-serialiser, smg's), or an integral float beyond it (orjson
+                               turns integer literals beyond 64 bits into floats)
+    prompt:text, prompt:ids, prompt:batch, suffix, echo, generate:text,
+    generate:input_ids, generate:media, generate:batch   completions and /generate forms
+                               (text is tokenized with the special tokens the engine's
+                               tokenizer adds, which kvproxy takes from tokenizer.json)
     unknown:body|message|part|tool|tool_function|tool_call|tool_call_function
 """
 
@@ -65,6 +67,8 @@ _MAPPED_ROLES = {"developer": "role:developer", "function": "role:function"}
 # shaping, transport): OpenAI's chat API, vLLM's ChatCompletionRequest (entrypoints/openai/
 # chat_completion/protocol.py) and SGLang's ChatCompletionRequest (srt/entrypoints/openai/
 # protocol.py). `truncate_prompt_tokens` only ever lowers the engine's count, never raises it.
+# Not inert: vLLM's `kv_transfer_params` can carry the prompt's token ids (the oracle's
+# chat-kv-transfer-prompt-ids case), so it is an unknown key like any other.
 INERT_KEYS = frozenset(
     {"model", "max_tokens", "max_completion_tokens", "max_new_tokens", "n", "best_of",
      "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -76,8 +80,8 @@ INERT_KEYS = frozenset(
      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "lora_path", "rid",
      "bootstrap_host", "bootstrap_port", "bootstrap_room", "separate_reasoning",
      "stream_reasoning", "include_reasoning", "thinking_token_budget", "priority",
-     "request_id", "session_id", "cache_salt", "kv_transfer_params", "ec_transfer_params",
-     "use_beam_search", "bad_words", "allowed_token_ids", "prompt_logprobs",
+     "request_id", "session_id", "cache_salt", "use_beam_search", "bad_words",
+     "allowed_token_ids", "prompt_logprobs",
      "return_tokens_as_token_ids", "return_token_ids", "return_hidden_states",
      "return_prompt_text", "custom_logit_processor", "custom_params", "vllm_xargs",
      "watermarking", "truncate_prompt_tokens", "truncation_side", "logprob_token_ids",
@@ -146,6 +150,10 @@ def request_features(route: str, data: Mapping[str, Any]) -> frozenset[Feature]:
     elif route == "completions":
         _top_level(data, _COMPLETIONS_TOP, out)
         prompt = data.get("prompt")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and any(
+            isinstance(p, str) for p in prompt
+        )):  # fmt: skip
+            out.add("prompt:text")
         if isinstance(prompt, list) and prompt:
             if not isinstance(prompt[0], str):
                 out.add("prompt:ids")
@@ -157,6 +165,8 @@ def request_features(route: str, data: Mapping[str, Any]) -> frozenset[Feature]:
             out.add("echo")
     elif route == "generate":
         _top_level(data, _GENERATE_TOP, out)
+        if data.get("text") is not None:
+            out.add("generate:text")
         if data.get("input_ids") is not None:
             out.add("generate:input_ids")
         if isinstance(data.get("text"), list):
@@ -372,6 +382,10 @@ def _numbers(value: Any, out: set[Feature]) -> None:
             continue
         if isinstance(item, float):
             out.add("number:float")
+            if item.is_integer() and abs(item) > EXACT_INT:
+                # orjson turns integer literals beyond 64 bits into floats: such a float may
+                # stand for digits the client sent and no float prints back.
+                out.add("number:big_int")
         elif isinstance(item, int):
             if not -EXACT_INT <= item <= EXACT_INT:
                 out.add("number:big_int")
@@ -407,8 +421,8 @@ FEATURES: frozenset[Feature] = frozenset(
        "continue_final_message", "reasoning_effort", "reasoning_effort:none", "reasoning"}
     | {f"kwarg:{k}" for k in (*_KWARGS, "special_token", "other")}
     | {"number:float", "number:big_int"}
-    | {"prompt:ids", "prompt:batch", "suffix", "generate:input_ids", "generate:media",
-       "generate:batch"}
+    | {"prompt:text", "prompt:ids", "prompt:batch", "suffix", "generate:text",
+       "generate:input_ids", "generate:media", "generate:batch"}
     | {f"unknown:{w}" for w in ("body", "message", "part", "tool", "tool_function",
                                 "tool_call", "tool_call_function")}
 )  # fmt: skip

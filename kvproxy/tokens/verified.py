@@ -103,18 +103,47 @@ def _release(text: str) -> Version:
 PLAIN_CHAT: frozenset[Feature] = frozenset(
     {"route:chat", "role:system", "role:user", "role:assistant", "content:string"}
 )
-# Prompts that are strings or token ids: no normalisation at all, only the tokenizer (and
-# the special tokens its post-processor adds, which the counter takes from the tokenizer).
-PLAIN_PROMPTS: frozenset[Feature] = frozenset(
-    {"route:completions", "prompt:ids", "prompt:batch", "route:generate",
-     "generate:input_ids", "generate:batch"}
+# Prompts given as token ids: their count is their length on every engine. Text prompts
+# are not listed: kvproxy adds the special tokens of tokenizer.json's post-processor, while
+# the engines' transformers tokenizer follows tokenizer_config.json (DeepSeek-V3: kvproxy
+# counts one BOS the engines do not add; found by the oracle fuzzer), so a text prompt's
+# count is not exact on every model.
+PLAIN_PROMPTS: frozenset[Feature] = frozenset({"route:completions", "prompt:ids", "prompt:batch"})
+# SGLang's own /generate route (vLLM has none): text or token ids, batched or not.
+SGLANG_GENERATE: frozenset[Feature] = frozenset(
+    {"route:generate", "generate:input_ids", "generate:batch"}
+)
+
+# The releases the oracles replicate (tests/oracles/versions.py).
+SGLANG_ORACLE = "0.5.23"
+VLLM_ORACLE = "0.34.0"
+
+# Beyond a plain chat, on the release each oracle replicates (held by the fuzzer of
+# tests/tokens/test_tokens_verified_oracles.py on one model of each shipped template family).
+# What is left out was found to differ: on SGLang tool definitions (it dumps the whole tool
+# object), add_generation_prompt false (SGLang always adds the prompt) and a final assistant
+# turn; on vLLM tool turns and reasoning fields on some templates (GLM-4.7, MiniMax) and the
+# developer role. Numbers beyond plain integers are never listed here: smg re-serialises them
+# as float64 and orjson and json print floats differently.
+SGLANG_CHAT: frozenset[Feature] = frozenset(
+    {"add_generation_prompt:true", "kwarg:enable_thinking", "reasoning_effort",
+     "message:name", "content:parts", "part:text", "content:null", "role:tool",
+     "message:tool_call_id", "tool_calls", "tool_calls:args_string", "role:developer",
+     "message:reasoning_content", "documents"}
+)  # fmt: skip
+VLLM_CHAT: frozenset[Feature] = frozenset(
+    {"add_generation_prompt:true", "add_generation_prompt:false", "kwarg:enable_thinking",
+     "reasoning_effort", "message:name", "content:parts", "part:text", "tools",
+     "tool_choice", "final:assistant", "documents"}
 )  # fmt: skip
 
 # What vLLM's /tokenize renders itself from the client's own chat fields (messages, tools,
 # chat_template_kwargs, add_generation_prompt, continue_final_message, add_special_tokens:
 # vllm/entrypoints/serve/tokenize/protocol.py TokenizeChatRequest), with the same renderer
 # as chat completions. Fields /tokenize does not take (documents, reasoning_effort,
-# tool_choice, response_format, a request chat_template) and media stay unverified.
+# tool_choice, response_format, a request chat_template) and media stay unverified, and so
+# do integers beyond 64 bits: kvproxy parses the body with orjson, which turns them into
+# floats, so the fields it re-serialises for /tokenize would not carry the client's digits.
 ENGINE_TRUTH_VLLM: frozenset[Feature] = frozenset(
     f
     for f in FEATURES
@@ -123,7 +152,7 @@ ENGINE_TRUTH_VLLM: frozenset[Feature] = frozenset(
     or f in ("part:text", "part:string", "part:refusal", "tools", "tools:strict",
              "tools:defer_loading", "add_generation_prompt:true",
              "add_generation_prompt:false", "continue_final_message", "add_special_tokens",
-             "number:float", "number:big_int")
+             "number:float")
 )  # fmt: skip
 
 
@@ -135,7 +164,28 @@ TABLE: tuple[Entry, ...] = (
         versions=None,
         routers=ALL_ROUTERS,
         features=PLAIN_CHAT | PLAIN_PROMPTS,
-        evidence="tests/tokens/test_tokens_verified.py::test_plain_bodies_equal_every_oracle",
+        evidence="tests/tokens/test_tokens_verified_oracles.py: every oracle",
+    ),
+    Entry(
+        engine="sglang",
+        versions=None,
+        routers=ALL_ROUTERS,
+        features=SGLANG_GENERATE,
+        evidence="tests/tokens/test_tokens_verified_oracles.py: the SGLang oracles",
+    ),
+    Entry(
+        engine="sglang",
+        versions=(SGLANG_ORACLE, SGLANG_ORACLE),
+        routers=frozenset({"none", "smg"}),
+        features=SGLANG_CHAT,
+        evidence="tests/tokens/test_tokens_verified_oracles.py: oracles.sglang, oracles.smg",
+    ),
+    Entry(
+        engine="vllm",
+        versions=(VLLM_ORACLE, VLLM_ORACLE),
+        routers=frozenset({"none"}),
+        features=VLLM_CHAT,
+        evidence="tests/tokens/test_tokens_verified_oracles.py: oracles.vllm",
     ),
     Entry(
         engine="vllm",
@@ -176,7 +226,10 @@ __all__ = [
     "PLAIN_CHAT",
     "PLAIN_PROMPTS",
     "ROUTER_KINDS",
+    "SGLANG_CHAT",
+    "SGLANG_GENERATE",
     "TABLE",
+    "VLLM_CHAT",
     "Entry",
     "Method",
     "RouterKind",
@@ -236,6 +289,18 @@ class Verifier:
             m: verified_features(engines, self.router, m, self._table)
             for m in ("replica", "engine")
         }
+
+    def router_matters(self) -> bool:
+        """Whether knowing the router could change what is verified for these engines at
+        these versions: only then is the upstream asked (capacity.router). A static pool,
+        or versions no row names, read the same rows behind any router."""
+        engines = self.engines or (("static", None),)
+        return any(
+            verified_features(engines, r, m, self._table)
+            != verified_features(engines, None, m, self._table)
+            for r in ROUTER_KINDS
+            for m in ("replica", "engine")
+        )
 
     def verified(self, method: Method = "replica") -> frozenset[Feature]:
         return self._sets[method]

@@ -19,6 +19,7 @@ from kvproxy.metrics import Metrics
 from kvproxy.sim import SimCluster
 from kvproxy.sim.launcher import SimOptions
 from kvproxy.tokens import build_verifier
+from kvproxy.tokens.verified import SGLANG_ORACLE
 
 NOT_FOUND = Answer(404, {"content-type": "text/plain"})
 NO_ANSWER = Answer(0, {})
@@ -116,7 +117,8 @@ def _closed_port() -> int:
 
 
 async def test_the_monitor_feeds_versions_and_the_router_to_the_verifier() -> None:
-    sim = SimCluster(SimOptions(port=0))
+    # A release the verified table names: the router matters, so it is asked.
+    sim = SimCluster(SimOptions(port=0, engine_version=SGLANG_ORACLE))
     await sim.start()
     try:
         settings = load_settings(
@@ -134,11 +136,27 @@ async def test_the_monitor_feeds_versions_and_the_router_to_the_verifier() -> No
     finally:
         await sim.close()
     assert verifier.router == "sglang-router"
-    # The simulator reports "0.5.21-sim": not a release, so no version-specific entry.
-    assert sorted(verifier.engines) == [("sglang", "0.5.21-sim"), ("sglang", "0.5.21-sim")]
+    assert sorted(verifier.engines) == [("sglang", SGLANG_ORACLE), ("sglang", SGLANG_ORACLE)]
     assert snapshot["router_kind"] == "sglang-router"
     assert "prefill" in snapshot["router_evidence"]
     assert "role:user" in snapshot["verified_features"]["replica"]
+
+
+async def test_the_upstream_is_not_asked_when_the_router_changes_nothing(
+    upstream: Any,
+) -> None:
+    """A static pool (or versions no row names) reads the same rows behind any router: no
+    detection traffic reaches the upstream."""
+    await upstream.start()
+    settings = load_settings(upstream=upstream.url, engines=static_engines(50))
+    verifier = build_verifier(settings)
+    assert not verifier.router_matters()
+    async with aiohttp.ClientSession() as http:
+        monitor = CapacityMonitor(settings, Metrics(), http, verifier=verifier)
+        await monitor.refresh_now()
+    assert upstream.received == []
+    assert verifier.router is None
+    assert verifier.router_evidence == "not detected yet"
 
 
 async def test_a_configured_router_kind_is_kept() -> None:

@@ -28,6 +28,7 @@ from kvproxy.config import Settings, load_settings
 from kvproxy.errors import KvproxyError
 from kvproxy.prompt import parse_request
 from kvproxy.tokens import build_counter
+from oracles.versions import ENGINE_VERSIONS
 
 # Engine (as the oracles name it) -> the engine kind kvproxy is configured with, and the
 # router between kvproxy and the engines (a setting kvproxy may not have yet).
@@ -124,6 +125,12 @@ class KvproxySide:
         self._loop = asyncio.new_event_loop()
         with _shared_tokenizer_loads():
             self.counter = build_counter(self.settings)
+        # As a deployment in front of the release an oracle replicates: the capacity probe
+        # would report that version, and the verified table is read for it.
+        verifier = getattr(self.counter, "verifier", None)
+        if verifier is not None:
+            kind = ENGINE_KIND[engine]
+            verifier.observe([(kind, ENGINE_VERSIONS[kind])])
         self._policy = admission.Policy(
             self.settings.decode_policy, self.settings.default_output_tokens
         )

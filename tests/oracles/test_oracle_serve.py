@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import pytest
 from ports import free_port
 
 from oracles import sglang
@@ -112,11 +111,6 @@ def test_the_issue_body_renders_215_tokens_on_sglang() -> None:
     assert sglang.count(load_model("qwen-3"), "chat", SYSTEM_BODY).tokens == 215
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="#30 class 1: kvproxy counts a 'System' message as one the template skips "
-    "(exact 9, or the bound 52, against SGLang's 215)",
-)
 async def test_the_system_role_body_is_refused_with_a_50_token_pool_and_never_forwarded() -> None:
     async with served("qwen-3", 50) as srv:
         status, _ = await _post(srv, "chat", SYSTEM_BODY)

@@ -282,20 +282,18 @@ SERVE_CASES = [
 async def test_serve_rejects_the_family_with_a_pool_below_the_engine_count(
     case: str, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    """Pool between the old (under) count and the engine's: rejected, nothing forwarded.
-    These bodies use features kvproxy's exact count is not verified for, so they are
-    decided by the guaranteed bound: with a pool above it the same request is admitted."""
+    """Pool below the engine's count: rejected, nothing forwarded. Each family uses a feature
+    the verified table does not list for a static pool (tokens.verified), so the decision is
+    the bound's and the rejection names the feature; a pool that holds that bound admits."""
     model, body = FAMILIES[case]
     truth = engine_count(model, body)
     body = {**body, "model": "m", "max_tokens": 1}
-    bound = guaranteed(model, body)
-    assert bound >= truth
     await _answering(upstream)
-    replies = []
-    for capacity in (truth - 1, bound + 64):
+    replies: list[tuple[int, Any, int]] = []
+    for capacity in (truth - 1, None):
         async with running_proxy(
             upstream.url,
-            engines=static_engines(capacity=capacity),
+            engines=static_engines(capacity=capacity or replies[0][1]["error"]["prompt_tokens"]),
             tokenizer=f"hf:{model_dir(model)}",
         ) as proxy:
             async with http.post(proxy.public_url + CHAT, data=orjson.dumps(body)) as resp:
@@ -305,6 +303,8 @@ async def test_serve_rejects_the_family_with_a_pool_below_the_engine_count(
     error = reply["error"]
     assert error["code"] == "context_length_exceeded"
     assert error["prompt_tokens"] >= truth
+    assert error["count_reason"] == "unverified_feature"
+    assert error["unverified_features"]
     assert forwarded == 0  # I7: the rejected request never left kvproxy
     assert ok_status == 200
     assert ok_forwarded == 1

@@ -159,3 +159,84 @@ def test_parse_count_small_replies() -> None:
         parse_count(b"not json")
     with pytest.raises(EngineTokenizeError):
         parse_count(b'{"nothing": 1}')
+
+
+# --- vLLM's /tokenize gets the client's own chat fields, through the proxy ------------------
+
+VLLM_CACHE_INFO = (
+    "# TYPE vllm:cache_config_info gauge\n"
+    'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",'
+    'kv_cache_size_tokens="16000"} 1.0\n'
+)
+
+
+async def test_vllm_tokenize_gets_the_clients_fields(aiohttp_server: AiohttpServer) -> None:
+    """A fake vLLM engine on loopback records what /tokenize receives: the client's chat
+    fields as sent (a capitalised role, an empty tool_calls, a tool with `strict`, kwargs),
+    not kvproxy's normalisation of them, and nothing the engine would not render there."""
+    from kvtest import FakeUpstream, running_proxy
+
+    seen: list[dict[str, Any]] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"count": 900, "max_model_len": 1000, "tokens": []})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=VLLM_CACHE_INFO)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 1000}]})
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.34.0"})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/version", version)
+    engine = await aiohttp_server(app, host="127.0.0.1")
+
+    upstream = FakeUpstream()
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"choices": []})
+
+    upstream.route("POST", "/v1/chat/completions", ok)
+    await upstream.start()
+    fields = {
+        "messages": [
+            {"role": "System", "content": "be brief " * 600},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "ok", "tool_calls": []},
+            {"role": "user", "content": "again"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "strict": True,
+                                                     "parameters": {"maximum": 1.5}}}],
+        "chat_template_kwargs": {"enable_thinking": False},
+        "add_generation_prompt": True,
+    }  # fmt: skip
+    body = {"model": "m", "max_tokens": 1, "temperature": 0.2, **fields}
+    try:
+        async with running_proxy(
+            upstream.url,
+            engines=[{"url": str(engine.make_url("")), "kind": "vllm", "role": "unified"}],
+            tokenizer="engine",
+            router_kind="none",
+        ) as proxy:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(proxy.public_url + "/v1/chat/completions", json=body) as r:
+                    status, headers = r.status, dict(r.headers)
+            verification = proxy.services.models.first.capacity.verifier
+            assert verification is not None
+            described = verification.describe()
+    finally:
+        await upstream.close()
+    assert status == 200
+    assert (headers["X-Kvproxy-Prompt-Tokens"], headers["X-Kvproxy-Prompt-Tokens-Kind"]) == (
+        "900",
+        "exact",
+    )
+    assert seen == [fields]  # exactly the client's fields, nothing of kvproxy's
+    assert described == "vllm 0.34.0 behind none"

@@ -302,7 +302,7 @@ def test_features_of_the_issue_body() -> None:
 # --- through kvproxy serve -------------------------------------------------------------------
 
 
-async def _serve(upstream: FakeUpstream, capacity: int) -> tuple[Any, str]:
+async def _serve(upstream: FakeUpstream, capacity: int) -> tuple[Any, str, str]:
     port, admin = free_port(), free_port()
     env = {
         **os.environ,
@@ -324,7 +324,7 @@ async def _serve(upstream: FakeUpstream, capacity: int) -> tuple[Any, str]:
             try:
                 async with http.get(f"http://127.0.0.1:{admin}/readyz") as r:
                     if r.status == 200:
-                        return proc, f"http://127.0.0.1:{port}"
+                        return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
             except aiohttp.ClientConnectionError:
                 pass
             await asyncio.sleep(0.05)
@@ -342,7 +342,7 @@ async def test_serve_refuses_the_system_role_body_and_admits_a_plain_chat_at_the
     upstream.route("POST", "/v1/chat/completions", ok)
     await upstream.start()
     plain = {**plain_at(50), "model": "m"}
-    proc, url = await _serve(upstream, capacity=50)
+    proc, url, admin = await _serve(upstream, capacity=50)
     try:
         async with aiohttp.ClientSession() as http:
             body = {**SYSTEM_BODY, "model": "m"}
@@ -351,6 +351,8 @@ async def test_serve_refuses_the_system_role_body_and_admits_a_plain_chat_at_the
             assert upstream.received == []  # I7: it never reached the upstream
             async with http.post(url + "/v1/chat/completions", json=plain) as resp:
                 admitted = (resp.status, dict(resp.headers))
+            async with http.get(admin + "/metrics") as resp:
+                scraped = await resp.text()
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), 30)
@@ -371,3 +373,18 @@ async def test_serve_refuses_the_system_role_body_and_admits_a_plain_chat_at_the
         "exact",
     )
     assert len(upstream.received) == 1
+    # The operator's view: one withheld exact count, labelled by the feature (never content).
+    assert 'kvproxy_unverified_features_total{feature="role:case",model="default"} 1.0' in scraped
+
+
+async def test_a_large_body_is_gated_off_the_loop_too() -> None:
+    """Past the inline size the plan (and the feature read) runs in a worker: same gate."""
+    big = {"messages": [{"role": "System", "content": "word " * 5000}, SYSTEM_BODY["messages"][1]]}
+    c = counter(Verifier(["static"], "auto"))
+    try:
+        got = await c.count(shape(big), 40)
+    finally:
+        await c.aclose()
+    assert got.unverified == ("role:case",)
+    assert got.kind == "upper-bound"
+    assert got.tokens > 40
