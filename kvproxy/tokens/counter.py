@@ -99,6 +99,15 @@ class _Plan:
     framed: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    """What the guarantee says of one request (TokenCounter._judged)."""
+
+    bound: int | None  # the guaranteed bound in tokens; None when none can be given
+    unverified: tuple[str, ...]  # features the exact count may not admit
+    where: str  # the engines and router the verified table was read for
+
+
 class _WorkerFailed(Exception):
     """A tokenizer raised (or panicked) in a worker thread; carries only the type name."""
 
@@ -199,7 +208,7 @@ class TokenCounter:
             if guarded and small:
                 # The guaranteed bound first: most requests are decided here, inline.
                 decided = self._on_guarantee(
-                    shape, self._guaranteed(shape, admit_at_most), admit_at_most, total_at_most
+                    shape, self._judged(shape, admit_at_most), admit_at_most, total_at_most
                 )
                 if decided is not None:
                     return decided
@@ -215,8 +224,9 @@ class TokenCounter:
                     return decided
             async with asyncio.timeout(self._timeout_s):
                 if guarded and not small:
-                    g = await self._offload(self._guaranteed, shape, admit_at_most)
-                    decided = self._on_guarantee(shape, g, admit_at_most, total_at_most)
+                    # Off the loop: the walk and the features read every field.
+                    judged = await self._offload(self._judged, shape, admit_at_most)
+                    decided = self._on_guarantee(shape, judged, admit_at_most, total_at_most)
                     if decided is not None:
                         return decided
                 if guarded and small:
@@ -262,17 +272,12 @@ class TokenCounter:
                 return quick
         return g.tokens(shape.body, shape.route, media)
 
-    def _on_guarantee(
-        self, shape: PromptShape, g: int | None, admit_at_most: int, total_at_most: int | None
-    ) -> TokenCount | None:
-        """Admit on the guarantee when it fits; decide on it alone when the request uses a
-        feature the exact count is not verified for (or kvproxy has no exact count); else
-        None: the replica's count decides (tokens.verified)."""
-        fits = (
-            g is not None and g <= admit_at_most and (total_at_most is None or g <= total_at_most)
-        )
-        if g is not None and fits and self._trust_bound:
-            return TokenCount(g, "bound", exact=False, total_tokens=g, bound=g)
+    def _judged(self, shape: PromptShape, admit_at_most: int) -> _Judged:
+        """The guaranteed bound, and (unless it admits) the features the exact count is not
+        verified for: both read every field, so large requests get them in a worker."""
+        g = self._guaranteed(shape, admit_at_most)
+        if g is not None and g <= admit_at_most and self._trust_bound:
+            return _Judged(g, (), "")
         unverified: tuple[str, ...] = ()
         where = ""
         if self.verifier is not None:
@@ -282,15 +287,34 @@ class TokenCounter:
         if shape.route not in CHAT_ROUTES:
             # A field the parser does not model may be prompt text: never exact.
             unverified = (*unverified, "unknown:body")
-        if not unverified:
+        return _Judged(g, unverified, where)
+
+    def _on_guarantee(
+        self, shape: PromptShape, judged: _Judged, admit_at_most: int, total_at_most: int | None
+    ) -> TokenCount | None:
+        """Admit on the guarantee when it fits; decide on it alone when the request uses a
+        feature the exact count is not verified for; else None: the replica's count decides
+        (tokens.verified)."""
+        g = judged.bound
+        fits = (
+            g is not None and g <= admit_at_most and (total_at_most is None or g <= total_at_most)
+        )
+        if g is not None and fits and self._trust_bound:
+            return TokenCount(g, "bound", exact=False, total_tokens=g, bound=g)
+        if not judged.unverified:
             return None
         if g is None:
-            g_ = self._guarantee
+            reason = self._guarantee
             because = (
-                f"its chat template could not be proven ({g_})" if isinstance(g_, str) else None
+                f"its chat template could not be proven ({reason})"
+                if isinstance(reason, str)
+                else None
             )
             raise errors.unverified_unbounded(
-                list(unverified), where or "these engines", shape.prompt_param, because=because
+                list(judged.unverified),
+                judged.where or "these engines",
+                shape.prompt_param,
+                because=because,
             )
         return TokenCount(
             g,
@@ -298,8 +322,8 @@ class TokenCounter:
             exact=False,
             total_tokens=g,
             bound=g,
-            unverified=unverified,
-            verified_for=where,
+            unverified=judged.unverified,
+            verified_for=judged.where,
         )
 
     def _on_bound(

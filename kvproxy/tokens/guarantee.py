@@ -100,15 +100,17 @@ class _Variant:
         self.messages = roots.get("messages", empty)
         self.tools = roots.get("tools", empty)
         # Whatever may reach any input is charged the worst of all of them, at any depth.
+        # Every such field is charged once at least: an engine may take it as prompt text
+        # without any template (SGLang's chat `input_ids`, vLLM's kv_transfer_params).
         self.bag = _Root(
-            tuple(sorted(sz._pareto({p for r in roots.values() for p in r.frontier}))),
+            tuple(sorted(sz._pareto({(1, 0), *(p for r in roots.values() for p in r.frontier)}))),
             (),
             (max((r.any_level for r in roots.values()), default=0),),
             max((r.depth for r in roots.values()), default=0),
         )
         # The O(1) bound prices every byte and value at the worst of any input.
-        self.quick_byte = max((r.worst for r in roots.values()), default=0)
-        self.quick_byte_alias = max((r.worst_alias for r in roots.values()), default=0)
+        self.quick_byte = max(1, *(r.worst for r in roots.values()))
+        self.quick_byte_alias = max(1, *(r.worst_alias for r in roots.values()))
         # The tokenizer's special tokens are template inputs a request may also override:
         # their own text is charged as a constant, any override as bag data.
         self.static = sz.constant(out) + sum(

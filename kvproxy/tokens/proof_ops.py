@@ -383,7 +383,7 @@ class Ops:
             return sz.DEAD
         obj = callee.obj
         if obj is None:
-            raise Unproven("a call of request data")
+            return sz.DEAD  # request data is never callable (nor is Undefined): this raises
         kind = obj[0]
         if kind == "macro":
             return self.a.call_macro(obj[1], args, kwargs, st)

@@ -28,7 +28,6 @@ from kvproxy.errors import KvproxyError
 from kvproxy.prompt import parse_request
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, content_formats
 from kvproxy.tokens.counter import TokenCounter
-from kvproxy.tokens.guarantee import ChatGuarantee
 from kvproxy.tokens.local import HfTokenizer, load_hf
 
 CHAT = "/v1/chat/completions"
@@ -171,20 +170,6 @@ def engine_count(model: str, body: dict[str, Any]) -> int:
         for engine in ENGINE_KINDS
         for fmt in content_formats(ref.template)
     )
-
-
-def guaranteed(model: str, body: dict[str, Any]) -> int:
-    """kvproxy's guaranteed bound of `body` with the model's template (tokens.guarantee)."""
-    _, local = _loaded(model)
-    assert local.template is not None
-    g = ChatGuarantee.build(
-        local.template.source, local.bound_rule, local.special_tokens, local.template.special_tokens
-    )
-    assert isinstance(g, ChatGuarantee), g
-    shape = parse_request("chat", orjson.dumps(body))
-    bound = g.tokens(shape.body, "chat", 0)
-    assert bound is not None
-    return bound
 
 
 def kvproxy_count(model: str, body: dict[str, Any], *, template: bool = True) -> tuple[int, int]:

@@ -255,60 +255,74 @@ def normalisations(raw: dict[str, Any]) -> list[tuple[list[Any], list[Any] | Non
 
 
 @cache
-def _loaded(model: str) -> tuple[Reference, ChatGuarantee]:
+def _loaded(model: str) -> tuple[Reference, ChatGuarantee, ChatGuarantee]:
+    """The reference, kvproxy's guarantee with the model's tokenizer, and the same proof
+    bounding bytes (the byte rule, no special tokens): the render's bytes are checked on
+    every model, its tokens where the tokenizer has a byte bound."""
     directory = model_dir(model)
     ref = load_reference(directory)
     local = load_hf(directory)
     assert local.template is not None
-    g = ChatGuarantee.build(
-        local.template.source, local.bound_rule, local.special_tokens, local.template.special_tokens
-    )
+    source, specials = local.template.source, local.template.special_tokens
+    g = ChatGuarantee.build(source, local.bound_rule, local.special_tokens, specials)
+    in_bytes = ChatGuarantee.build(source, "bytes", 0, specials)
     assert isinstance(g, ChatGuarantee), f"{model}: {g}"
-    return ref, g
+    assert isinstance(in_bytes, ChatGuarantee), f"{model}: {in_bytes}"
+    return ref, g, in_bytes
 
 
-def render_count(ref: Reference, msgs: list[Any], tools: Any, kwargs: dict[str, Any],
-                 agp: bool) -> int | None:  # fmt: skip
+def render(
+    ref: Reference, msgs: list[Any], tools: Any, kwargs: dict[str, Any], agp: bool
+) -> tuple[int, int] | None:
+    """(tokens, UTF-8 bytes) of transformers' render; None when it refuses the body (the
+    engine then prefills nothing)."""
     documents = kwargs.pop("documents", None)
     try:
-        ids = ref.tokenizer.apply_chat_template(
+        text = ref.tokenizer.apply_chat_template(
             msgs,
             tools=tools,
             documents=documents,
             add_generation_prompt=agp,
             chat_template=ref.template,
-            tokenize=True,
-            return_dict=False,
+            tokenize=False,
             **kwargs,
         )
-    except Exception:  # the engine refuses this body: nothing is prefilled
+    except Exception:
         return None
-    return len(ids)
+    ids = ref.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return len(ids), len(text.encode("utf-8", "surrogatepass"))
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_the_bound_covers_every_normalisation(model: str) -> None:
-    ref, g = _loaded(model)
+    ref, g, in_bytes = _loaded(model)
     rng = random.Random(f"guarantee-{model}")
     checked = 0
     for _ in range(N):
         raw = body(rng)
-        encoded = orjson.dumps(raw)
+        encoded = json.dumps(raw).encode()  # json: integers beyond 64 bits stay whole
         shape = parse_request("chat", encoded)
         bound = g.tokens(shape.body, "chat", 0)
         quick = g.quick(encoded, shape.body, "chat")
-        assert bound is not None
+        byte_bound = in_bytes.tokens(shape.body, "chat", 0)
+        byte_quick = in_bytes.quick(encoded, shape.body, "chat")
+        assert byte_bound is not None
         # The engines parse the body with Python's json: huge integers keep every digit.
         engine_body = json.loads(encoded)
         for msgs, tools, kwargs in normalisations(engine_body):
             for agp in {engine_body.get("add_generation_prompt", True), True}:
-                n = render_count(ref, msgs, tools, dict(kwargs), agp)
-                if n is None:
+                got = render(ref, msgs, tools, dict(kwargs), agp)
+                if got is None:
                     continue
+                tokens, size = got
                 checked += 1
-                assert n <= bound, (model, raw, n, bound)
+                assert size <= byte_bound, (model, raw, size, byte_bound)
+                if byte_quick is not None:
+                    assert size <= byte_quick, (model, raw, size, byte_quick)
+                if bound is not None:
+                    assert tokens <= bound, (model, raw, tokens, bound)
                 if quick is not None:
-                    assert n <= quick, (model, raw, n, quick)
+                    assert tokens <= quick, (model, raw, tokens, quick)
     assert checked > 0
 
 
@@ -357,7 +371,7 @@ def _marked_bodies() -> list[tuple[str, dict[str, Any]]]:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_no_field_is_printed_more_often_than_proven(model: str) -> None:
-    ref, g = _loaded(model)
+    ref, g, _ = _loaded(model)
     worst = 0
     for root, raw in _marked_bodies():
         shape = parse_request("chat", orjson.dumps(raw))
