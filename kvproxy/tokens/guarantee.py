@@ -109,8 +109,8 @@ class _Variant:
             max((r.depth for r in roots.values()), default=0),
         )
         # The O(1) bound prices every byte and value at the worst of any input.
-        self.quick_byte = max(1, *(r.worst for r in roots.values()))
-        self.quick_byte_alias = max(1, *(r.worst_alias for r in roots.values()))
+        self.quick_byte = max([1, *(r.worst for r in roots.values())])
+        self.quick_byte_alias = max([1, *(r.worst_alias for r in roots.values())])
         # The tokenizer's special tokens are template inputs a request may also override:
         # their own text is charged as a constant, any override as bag data.
         self.static = sz.constant(out) + sum(
