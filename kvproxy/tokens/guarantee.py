@@ -34,6 +34,7 @@ Never logs or keeps request text.
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from collections.abc import Mapping
@@ -120,14 +121,15 @@ class _Variant:
         self.bases = {KW + k: text for k, text in specials.items()}
         self.case_mapped = proof.case_mapped
 
-    def cross_terms(self, total: Any) -> int:
-        """Cross terms (a product of measures): each measure at its total over the whole
-        request, plus a special token's own text where one is the input."""
+    def cross_terms(self, value_of: Any) -> int:
+        """Cross terms (a product of measures, e.g. a message's content printed once per tool
+        call): each variable at `value_of(measure, path)`, plus a special token's own text
+        where one is the input."""
         out = 0
         for coef, mono in self.cross:
             term = coef
             for measure, path in mono:
-                value = total(measure)
+                value = value_of(measure, path)
                 base = self.bases.get(path[0])
                 if base is not None and measure in "PX":
                     value += sz.utf8(base) if measure == "P" else sz.longest(base)
@@ -221,7 +223,7 @@ class ChatGuarantee:
         if bag.depth:
             size += bag.depth * values * brackets
         size += v.cross_terms(
-            lambda m: data if m in "PX" else (values * brackets if m == "I" else values)
+            lambda m, _: data if m in "PX" else (values * brackets if m == "I" else values)
         )
         ascii_text = raw.isascii() and b"\\u" not in raw
         return self._tokens(size, ascii_text, 0)
@@ -272,7 +274,7 @@ class ChatGuarantee:
             totals["D"] += rm.values
             totals["C"] += rm.values
             totals["I"] += rm.depth
-        size += v.cross_terms(lambda measure: totals[measure])
+        size += v.cross_terms(functools.partial(_cross_value, m, totals, route))
         if route == "responses":
             fallback = totals["X"] + FALLBACK_PER_VALUE * totals["D"] + FALLBACK_CONST
             size = max(size, fallback)
@@ -310,6 +312,47 @@ def text_tokens(body: Mapping[str, Any], rule: BoundRule | None, overhead: int) 
     size = m.roots["bag"].leaf_cost
     factor = 1 if rule == "bytes" or m.nfc_safe else NFC_MAX_EXPANSION
     return factor * size + overhead
+
+
+_MEASURE_INDEX = {"P": 0, "X": 1, "C": 2, "D": 3}
+
+
+def _cross_value(
+    m: ms.Measures, totals: Mapping[str, int], route: str, measure: str, path: tuple[str, ...]
+) -> int:
+    """A cross term's variable for this request. On a chat, a variable under a key of the
+    client's messages or tools (`messages[*].tool_calls`) is that key's own measure: the
+    engines keep a chat's fields under their names (the reasoning aliases summed, as they
+    are copied under each other's); otherwise the measure of its part of the request
+    (messages, tools, or every other field for the template's other inputs). Other routes
+    are converted by the router or engine: every variable is the request's total."""
+    root = path[0]
+    part = {"messages": "messages", "tools": "tools"}.get(root)
+    if root.startswith(KW):
+        part = "bag"
+    keys = [step[1:] for step in path[1:] if step.startswith(".")]
+    rm = m.roots.get(part) if part else None
+    if route != "chat" or part is None:
+        return totals[measure]
+    if rm is None:
+        return 0  # nothing of the request reaches this input
+    if part == "bag" or measure == "I" or not keys:
+        return _root_total(rm, measure)
+    key = keys[-1]
+    index = _MEASURE_INDEX[measure]
+    if key in ms.ALIAS_KEYS:
+        return 3 * sum(rm.under.get(k, [0, 0, 0, 0])[index] for k in ms.ALIAS_KEYS)
+    return rm.under.get(key, [0, 0, 0, 0])[index]
+
+
+def _root_total(rm: ms.RootMeasure, measure: str) -> int:
+    return {
+        "P": rm.leaves_p + rm.added_bytes,
+        "X": rm.leaves_x + rm.added_bytes,
+        "C": rm.values,
+        "D": rm.values,
+        "I": rm.depth,
+    }[measure]
 
 
 def _string_cost(root: _Root, text: str) -> int:

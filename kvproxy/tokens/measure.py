@@ -90,6 +90,15 @@ class RootMeasure:
     parsed: int = 0  # values inside strings an engine may parse as JSON (any depth)
     depth: int = 0  # sum of every value's depth (I)
     added_bytes: int = 0  # bytes engines add (charged at the worst position)
+    # Per key: [P, X, C, D] of everything under any value of that key (C: the children of
+    # those values themselves), for the template's cross terms (tokens.guarantee).
+    under: dict[str, list[int]] = field(default_factory=dict)
+
+    def keyed(self, key: str) -> list[int]:
+        slot = self.under.get(key)
+        if slot is None:
+            slot = self.under[key] = [0, 0, 0, 0]
+        return slot
 
     @property
     def values(self) -> int:
@@ -138,35 +147,63 @@ class Walk:
         self, value: Any, m: RootMeasure, frontier: Frontier, alias: Frontier | None, root: str
     ) -> None:
         # Iterative: orjson accepts nesting 1,023 deep, past Python's recursion limit.
-        # Items: (value, depth, under an alias key, the key or list it sits in).
-        stack: list[tuple[Any, int, bool, str]] = [(value, 0, False, "")]
+        # Items: (value, depth, under an alias key, the key it is the value of (or ""), the
+        # keys above it).
+        stack: list[tuple[Any, int, bool, str, tuple[str, ...]]] = [(value, 0, False, "", ())]
         while stack:
-            v, d, in_alias, parent = stack.pop()
+            v, d, in_alias, direct, keys = stack.pop()
             fr = alias if (in_alias and alias is not None) else frontier
             if isinstance(v, str):
-                self._string(v, m, fr, d)
+                p, x, parsed = self._string(v, m, fr, d)
+                for k in keys:
+                    slot = m.keyed(k)
+                    slot[0] += p
+                    slot[1] += x
+                    slot[3] += parsed
+                if direct and parsed:
+                    m.keyed(direct)[2] += parsed
             elif isinstance(v, dict):
-                self._engine_adds(v, m, root, d, parent)
+                self._engine_adds(v, m, root, d, direct or (keys[-1] if keys else ""))
                 if _is_media(v):
                     self.out.media += 1
                 for k, item in v.items():
                     m.add(d)
                     m.depth += d + 1
+                    self._entity(m, direct, keys)
                     key = str(k)
-                    self._leaf(m, fr, bounds.utf8_len(key), _longest(key))
+                    kp, kx = bounds.utf8_len(key), _longest(key)
+                    self._leaf(m, fr, kp, kx)
+                    for ak in keys:
+                        slot = m.keyed(ak)
+                        slot[0] += kp
+                        slot[1] += kx
                     self._check_nfc(key)
                     child_alias = in_alias or (root == "messages" and key in ALIAS_KEYS)
                     if root == "messages" and d == 1 and key in ALIAS_KEYS:
                         m.add(d, ALIAS_ADDS)
-                    stack.append((item, d + 1, child_alias, key))
+                    stack.append((item, d + 1, child_alias, key, (*keys, key)))
             elif isinstance(v, list):
                 for item in v:
                     m.add(d)
                     m.depth += d + 1
-                    stack.append((item, d + 1, in_alias, parent))
+                    self._entity(m, direct, keys)
+                    stack.append((item, d + 1, in_alias, "", keys))
             else:
                 n = number_size(v)
                 self._leaf(m, fr, n, n)
+                for k in keys:
+                    slot = m.keyed(k)
+                    slot[0] += n
+                    slot[1] += n
+
+    @staticmethod
+    def _entity(m: RootMeasure, direct: str, keys: tuple[str, ...]) -> None:
+        """One child of the current container: a descendant of every key above it, and a
+        direct child of the key whose value the container is."""
+        for k in keys:
+            m.keyed(k)[3] += 1
+        if direct:
+            m.keyed(direct)[2] += 1
 
     @staticmethod
     def _engine_adds(
@@ -175,6 +212,12 @@ class Walk:
         adds: tuple[int, dict[int, int]] | None = None
         if root == "messages" and depth == 1:
             adds = MESSAGE_ADDS
+            # vLLM's wrapper: one part (two entries) under `content`.
+            slot = m.keyed("content")
+            slot[0] += 12
+            slot[1] += 28
+            slot[2] += 1
+            slot[3] += 3
         elif root == "messages" and parent == "tool_calls":
             adds = TOOL_CALL_ADDS
         elif root == "messages" and parent == "content":
@@ -187,23 +230,33 @@ class Walk:
         for level, n in adds[1].items():
             m.add(depth - 1 + level, n)
             m.depth += n * (depth + level)
+        if parent and adds is not MESSAGE_ADDS:
+            # The fields a model's dump adds sit under the key this object sits under.
+            slot = m.keyed(parent)
+            slot[0] += adds[0]
+            slot[1] += adds[0]
+            slot[3] += sum(adds[1].values())
 
     def _leaf(self, m: RootMeasure, frontier: Frontier, p: int, x: int) -> None:
         m.leaves_p += p
         m.leaves_x += x
         m.leaf_cost += max((a * p + b * x for a, b in frontier), default=0)
 
-    def _string(self, s: str, m: RootMeasure, frontier: Frontier, depth: int) -> None:
+    def _string(
+        self, s: str, m: RootMeasure, frontier: Frontier, depth: int
+    ) -> tuple[int, int, int]:
         self._check_nfc(s)
         p = bounds.utf8_len(s)
         x = _longest(s)
         parsed = _parsed_measures(s)
+        pd = 0
         if parsed is not None:
             pp, px, pd, pi = parsed
             p, x = max(p, pp), max(x, px)
             m.parsed += pd
             m.depth += pi + pd * depth
         self._leaf(m, frontier, p, x)
+        return p, x, pd
 
     def _check_nfc(self, s: str) -> None:
         if s.isascii() or not (self._nfd or self._nfc_plain):
