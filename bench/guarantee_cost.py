@@ -61,9 +61,7 @@ def main() -> None:
     decide()
     rows["count: guarantee (as served)"] = timed(decide)
     rows["guarantee: O(1) form alone"] = timed(lambda: guarantee.quick(body, shape.body, "chat"))
-    rows["guarantee: per-field walk alone"] = timed(
-        lambda: guarantee.tokens(shape.body, "chat", 0)
-    )
+    rows["guarantee: per-field walk alone"] = timed(lambda: guarantee.tokens(shape.body, "chat", 0))
     # The path before #30: the plan (the chat's proven frame + its byte bound).
     counter._guarded = lambda shape: False  # type: ignore[method-assign]
     decide()

@@ -57,8 +57,12 @@ def featured(words: int) -> dict[str, Any]:
         "messages": [
             {"role": "System", "content": "You are a helpful assistant."},
             {"role": "user", "content": text(words)},
-            {"role": "assistant", "content": "", "reasoning_content": "look it up",
-             "tool_calls": [call]},  # fmt: skip
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": "look it up",
+                "tool_calls": [call],
+            },  # fmt: skip
             {"role": "tool", "tool_call_id": "c1", "content": "a fox"},
             {"role": "user", "content": "thanks"},
         ],

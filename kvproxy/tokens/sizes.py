@@ -211,6 +211,9 @@ class Value:
     # Evaluating it certainly raises (an attribute of Undefined, `+` with Undefined,
     # raise_exception): the render fails and nothing is sent, so the path prints nothing.
     dead: bool = False
+    # Bounds on any one element, when tighter than the whole's (a piece of `s.split()` is at
+    # most `s`, while the list prints quotes and separators around every piece).
+    item: Value | None = None
 
     def measure(self, m: str) -> Poly:
         return getattr(self, m)  # type: ignore[no-any-return]
@@ -267,6 +270,7 @@ def join_values(a: Value, b: Value) -> Value:
             raise Unproven("two kinds of template object meet in one variable")
     n = None if a.n is None or b.n is None else join(a.n, b.n)
     elem = None if a.elem is None or b.elem is None else a.elem | b.elem
+    item = None if a.item is None or b.item is None else join_values(a.item, b.item)
     return Value(
         P=join(a.P, b.P),
         X=join(a.X, b.X),
@@ -278,6 +282,7 @@ def join_values(a: Value, b: Value) -> Value:
         n=n,
         obj=a.obj if a.obj is not None else b.obj,
         case_mapped=a.case_mapped or b.case_mapped,
+        item=item,
     )
 
 
@@ -339,6 +344,8 @@ def sub_part(v: Value, steps: tuple[str, ...], kinds: frozenset[str] | None = No
     Data terms follow the steps (the measure of x.content is P(x.content)); every other term
     is kept whole, since a part is never larger than the whole. A part's children are the
     whole's descendants."""
+    if v.item is not None and steps and (steps[0] == "*" or steps[0].startswith("[")):
+        return sub_part(v.item, steps[1:], kinds)
 
     def extend(poly: Poly, m: str) -> Poly:
         out: dict[Mono, int] = {}
