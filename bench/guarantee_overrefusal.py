@@ -31,7 +31,26 @@ from kvproxy.prompt import parse_request
 from kvproxy.tokens.guarantee import ChatGuarantee
 from kvproxy.tokens.local import load_hf
 
-WORDS = "the quick brown fox jumps over the lazy dog while prefill and decode share a cache".split()
+WORDS = (
+    "the quick brown fox jumps over the lazy dog while prefill and decode share a cache"
+).split()
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "prefill",
+    "and",
+    "decode",
+    "share",
+    "a",
+    "cache",
+]
 SIZES = {"64": 16, "2k": 500, "20k": 5000}  # words of user text (~4 tokens per 3 words)
 
 
@@ -62,7 +81,7 @@ def featured(words: int) -> dict[str, Any]:
                 "content": "",
                 "reasoning_content": "look it up",
                 "tool_calls": [call],
-            },  # fmt: skip
+            },
             {"role": "tool", "tool_call_id": "c1", "content": "a fox"},
             {"role": "user", "content": "thanks"},
         ],

@@ -31,7 +31,7 @@ W = "word " * 400  # ~400 tokens of text
             "chat",
             {"messages": [{"role": "user", "content": "hi"}], "prompt_embeds": "A"},
             "prompt_embeds",
-        ),  # fmt: skip
+        ),
         ("generate", {"text": "hi", "input_embeds": [[0.0]]}, "input_embeds"),
         ("embeddings", {"input": "hi", "input_embeds": [[0.0]]}, "input_embeds"),
         ("generate", {"text": "hi", "session_params": {"id": "s"}}, "session_params"),
@@ -39,12 +39,12 @@ W = "word " * 400  # ~400 tokens of text
             "chat",
             {"messages": [{"role": "user", "content": "hi"}], "session_params": {"id": "s"}},
             "session_params",
-        ),  # fmt: skip
+        ),
         (
             "completions",
             {"prompt": "hi", "session_params": {"id": "s", "rid": "r"}},
             "session_params",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_uncountable_fields_are_refused_by_name(
@@ -104,7 +104,7 @@ async def _answering(upstream: FakeUpstream, path: str) -> None:
         (
             "/v1/completions",
             {"model": "m", "prompt": "hi", "max_tokens": 1, "prompt_embeds": "AAAA"},
-        ),  # fmt: skip
+        ),
     ],
 )
 async def test_serve_refuses_and_forwards_nothing(
