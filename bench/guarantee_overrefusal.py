@@ -31,26 +31,8 @@ from kvproxy.prompt import parse_request
 from kvproxy.tokens.guarantee import ChatGuarantee
 from kvproxy.tokens.local import load_hf
 
-WORDS = (
-    "the quick brown fox jumps over the lazy dog while prefill and decode share a cache"
-).split()
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "the",
-    "lazy",
-    "dog",
-    "while",
-    "prefill",
-    "and",
-    "decode",
-    "share",
-    "a",
-    "cache",
-]
+SENTENCE = "the quick brown fox jumps over the lazy dog while prefill and decode share a cache"
+WORDS = SENTENCE.split(" ")
 SIZES = {"64": 16, "2k": 500, "20k": 5000}  # words of user text (~4 tokens per 3 words)
 
 
