@@ -121,3 +121,36 @@ async def test_serve_refuses_and_forwards_nothing(
     assert status == 400, reply
     assert reply["error"]["code"] in ("context_length_exceeded", "invalid_request")
     assert not upstream.received  # I7: nothing left kvproxy
+
+
+# The body: one "System" message of ~200 tokens; SGLang lower-cases the role and
+# renders ~215 tokens with Qwen-3. kvproxy's old bound was its replica's render: 51 tokens,
+# which admitted the body on pools of 100 and 214.
+SYSTEM_BODY = {
+    "model": "m",
+    "max_tokens": 1,
+    "messages": [{"role": "System", "content": "word " * 200}, {"role": "user", "content": "hi"}],
+}
+
+
+@pytest.mark.parametrize("capacity", [50, 100, 214])
+async def test_serve_refuses_the_system_role_body_on_every_pool_below_its_render(
+    capacity: int, upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    await _answering(upstream, "/v1/chat/completions")
+    async with running_proxy(
+        upstream.url,
+        engines=static_engines(capacity=capacity),
+        tokenizer=f"hf:{real_tokenizer_dir('qwen-3')}",
+    ) as proxy:
+        async with http.post(
+            proxy.public_url + "/v1/chat/completions", data=orjson.dumps(SYSTEM_BODY)
+        ) as resp:
+            status, reply = resp.status, await resp.json()
+            kind = resp.headers.get("X-Kvproxy-Prompt-Tokens-Kind")
+    assert status == 400, reply
+    assert reply["error"]["code"] == "context_length_exceeded"
+    assert reply["error"]["prompt_tokens"] >= 215  # at least what SGLang renders
+    assert kind == "upper-bound"
+    assert "role:case" in reply["error"]["unverified_features"]
+    assert not upstream.received
