@@ -109,6 +109,14 @@ class _Variant:
             (max((r.any_level for r in roots.values()), default=0),),
             max((r.depth for r in roots.values()), default=0),
         )
+        # On a route the router or engine converts to chat (responses, messages), any field may
+        # also become reasoning an engine copies under its alias names.
+        self.converted = _Root(
+            tuple(sorted(sz._pareto({*self.bag.frontier, *self.messages.alias}))),
+            (),
+            self.bag.levels,
+            self.bag.depth,
+        )
         # The O(1) bound prices every byte and value at the worst of any input.
         self.quick_byte = max([1, *(r.worst for r in roots.values())])
         self.quick_byte_alias = max([1, *(r.worst_alias for r in roots.values())])
@@ -225,6 +233,8 @@ class ChatGuarantee:
         size += v.cross_terms(
             lambda m, _: data if m in "PX" else (values * brackets if m == "I" else values)
         )
+        if route == "responses":
+            size = max(size, _fallback(data, values))
         ascii_text = raw.isascii() and b"\\u" not in raw
         return self._tokens(size, ascii_text, 0)
 
@@ -249,12 +259,13 @@ class ChatGuarantee:
         costs = {
             "messages": (v.messages.frontier, v.messages.alias),
             "tools": (v.tools.frontier, ()),
-            "bag": (v.bag.frontier, ()),
+            "bag": (v.bag.frontier if route == "chat" else v.converted.frontier, ()),
         }
         m = ms.measure(parts, costs, self.rule)
         size = v.static
         totals = {"P": 0, "X": 0, "C": 0, "D": 0, "I": 0}
-        for name, root in (("messages", v.messages), ("tools", v.tools), ("bag", v.bag)):
+        bag_root = v.bag if route == "chat" else v.converted
+        for name, root in (("messages", v.messages), ("tools", v.tools), ("bag", bag_root)):
             rm = m.roots.get(name)
             if rm is None:
                 continue
@@ -276,8 +287,7 @@ class ChatGuarantee:
             totals["I"] += rm.depth
         size += v.cross_terms(functools.partial(_cross_value, m, totals, route))
         if route == "responses":
-            fallback = totals["X"] + FALLBACK_PER_VALUE * totals["D"] + FALLBACK_CONST
-            size = max(size, fallback)
+            size = max(size, _fallback(totals["X"], totals["D"]))
         return self._tokens(size, m.nfc_safe, m.media * media_tokens)
 
     # --- shared -----------------------------------------------------------------------------
@@ -312,6 +322,12 @@ def text_tokens(body: Mapping[str, Any], rule: BoundRule | None, overhead: int) 
     size = m.roots["bag"].leaf_cost
     factor = 1 if rule == "bytes" or m.nfc_safe else NFC_MAX_EXPANSION
     return factor * size + overhead
+
+
+def _fallback(data: int, values: int) -> int:
+    """SGLang's /v1/responses fallback: every item's role and content on a line, list
+    content as Python reprs: at most the data's longest form plus a label per value."""
+    return data + FALLBACK_PER_VALUE * values + FALLBACK_CONST
 
 
 _MEASURE_INDEX = {"P": 0, "X": 1, "C": 2, "D": 3}
