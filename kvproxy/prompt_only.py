@@ -145,6 +145,23 @@ MODELED_KEYS: dict[str, frozenset[str]] = {
     "native_classify": frozenset(
         {"text", "input_ids", "input", "image_data", "video_data", "audio_data"}
     ),
+    # Parsed in `kvproxy.prompt`.
+    "completions": frozenset({"prompt", "suffix", "echo", "best_of", "add_special_tokens"}),
+    "generate": frozenset(
+        {
+            "text",
+            "input_ids",
+            "sampling_params",
+            "image_data",
+            "video_data",
+            "audio_data",
+            "return_logprob",
+            "logprob_start_len",
+            "top_logprobs_num",
+            "token_ids_logprob",
+            "return_text_in_logprobs",
+        }
+    ),
 }
 
 

@@ -57,6 +57,22 @@ def test_uncountable_fields_are_refused_by_name(
     assert field in info.value.message
 
 
+async def test_completions_with_a_field_nobody_models_are_bounded_by_all_of_its_text() -> None:
+    """A field kvproxy's parser does not read may be prompt text to some engine version: the
+    request is decided by a bound over every string in it, never by the `prompt` alone."""
+    c = TokenCounter(bound_rule="bytes")
+    try:
+        odd = await c.count(
+            parse_request("completions", orjson.dumps({"prompt": "hi", "x": W})), 100
+        )
+        plain = await c.count(parse_request("completions", orjson.dumps({"prompt": "hi"})), 100)
+    finally:
+        await c.aclose()
+    assert odd.tokens >= len(W)
+    assert odd.unverified == ("unknown:body",)
+    assert plain.tokens < 20
+
+
 def test_fields_the_parser_does_not_model_are_named() -> None:
     score = parse_request(
         "score", orjson.dumps({"query": "q", "items": ["a"], "text_1": W, "text_2": "b"})
