@@ -490,7 +490,8 @@ class TokenCounter:
                 tools = local.count((p.seq.tools_json,))[0] if p.seq.tools else None
                 n += bounds.chat_overhead_bound(p.seq.message_count, tools)
                 n += _unseen_bytes(p.seq)
-            kind = got.kind if p.exact or got.kind == "lower" else "upper"
+            exact = p.exact and (p.chat or getattr(local, "special_tokens_exact", True))
+            kind = got.kind if exact or got.kind == "lower" else "upper"
             out.append(Partial(n, kind))
             if kind == "lower":
                 break  # the request is over the limit: the other sequences cannot change it

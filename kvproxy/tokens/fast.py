@@ -154,6 +154,7 @@ def twin(hf: HfTokenizer, fast_tok: Any) -> FastTokenizer:
         chunkable=hf.chunkable,
         origin=hf.origin,
         chunk_chars=hf.chunk_chars,
+        special_tokens_exact=hf.special_tokens_exact,
     )
 
 

@@ -109,6 +109,11 @@ class HfTokenizer:
     chunkable: bool
     origin: str
     chunk_chars: int = EXACT_CHUNK_CHARS
+    # False when tokenizer.json's post-processor and tokenizer_config.json disagree on the
+    # special tokens a text prompt gets: `special_tokens` is then the larger (safe), and a
+    # text prompt's count is an upper bound, not exact (engines differ by tokenizer class:
+    # transformers 5 adds no BOS to DeepSeek-V3 text whose config asks for one).
+    special_tokens_exact: bool = True
     # Which library counts: the `kvproxy_tokenizer_backend` label.
     backend: ClassVar[str] = "hf"
     # Largest bound of an uncuttable chunk that is still encoded (see `_charge`); None:
@@ -282,11 +287,13 @@ def load_hf_json(path: str | Path) -> tuple[HfTokenizer, str]:
     # transformers' Llama-style classes add BOS/EOS from the config even when tokenizer.json's
     # post-processor does not; counting the larger keeps completions counts from falling short.
     from_config = int(bool(config.get("add_bos_token"))) + int(bool(config.get("add_eos_token")))
-    specials = max(int(tok.num_special_tokens_to_add(False)), from_config)
+    from_json = int(tok.num_special_tokens_to_add(False))
+    specials = max(from_json, from_config)
     hf = HfTokenizer(
         tokenizer=tok,
         bound_rule=_hf_bound_rule(spec),
         special_tokens=specials,
+        special_tokens_exact=from_json >= from_config,
         template=template,
         chunkable=_hf_chunkable(spec) and _self_test(tok),
         origin=str(path),

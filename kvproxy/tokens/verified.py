@@ -103,15 +103,16 @@ def _release(text: str) -> Version:
 PLAIN_CHAT: frozenset[Feature] = frozenset(
     {"route:chat", "role:system", "role:user", "role:assistant", "content:string"}
 )
-# Prompts given as token ids: their count is their length on every engine. Text prompts
-# are not listed: kvproxy adds the special tokens of tokenizer.json's post-processor, while
-# the engines' transformers tokenizer follows tokenizer_config.json (DeepSeek-V3: kvproxy
-# counts one BOS the engines do not add; found by the oracle fuzzer), so a text prompt's
-# count is not exact on every model.
-PLAIN_PROMPTS: frozenset[Feature] = frozenset({"route:completions", "prompt:ids", "prompt:batch"})
+# Prompts that are strings or token ids: no normalisation at all, only the tokenizer and the
+# special tokens it adds. Where tokenizer.json's post-processor and tokenizer_config.json
+# disagree on those (DeepSeek-V3: the config asks for a BOS transformers 5 does not add),
+# kvproxy counts the larger and calls the count an upper bound, not exact (tokens.local).
+PLAIN_PROMPTS: frozenset[Feature] = frozenset(
+    {"route:completions", "prompt:text", "prompt:ids", "prompt:batch"}
+)
 # SGLang's own /generate route (vLLM has none): text or token ids, batched or not.
 SGLANG_GENERATE: frozenset[Feature] = frozenset(
-    {"route:generate", "generate:input_ids", "generate:batch"}
+    {"route:generate", "generate:text", "generate:input_ids", "generate:batch"}
 )
 
 # The releases the oracles replicate (tests/oracles/versions.py).

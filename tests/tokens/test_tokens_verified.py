@@ -388,3 +388,25 @@ async def test_a_large_body_is_gated_off_the_loop_too() -> None:
     assert got.unverified == ("role:case",)
     assert got.kind == "upper-bound"
     assert got.tokens > 40
+
+
+async def test_a_text_prompt_whose_special_tokens_are_in_doubt_is_an_upper_bound() -> None:
+    """DeepSeek-V3's tokenizer_config asks for a BOS its tokenizer.json does not add, and
+    transformers 5 (the engines) follows tokenizer.json: kvproxy counts the larger, so the
+    count is an upper bound, never reported exact. Qwen-3 has no such doubt."""
+    deepseek = load_hf(model_dir("deepseek-v3"))
+    assert not deepseek.special_tokens_exact
+    assert qwen3()[0].special_tokens_exact
+    body = b'{"model": "m", "prompt": "hi"}'
+    for local, kind in ((deepseek, "upper-bound"), (qwen3()[0], "exact")):
+        c = TokenCounter(
+            bound_rule=local.bound_rule,
+            local=local,
+            special_tokens=local.special_tokens,
+            verifier=Verifier(["sglang"], "none"),
+        )
+        try:
+            got = await c.count(parse_request("completions", body), 0)
+        finally:
+            await c.aclose()
+        assert got.kind == kind
