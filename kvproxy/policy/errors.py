@@ -188,9 +188,13 @@ def context_length_exceeded(
     )
 
 
-def unverified_unbounded(unverified: list[str], where: str, param: str) -> KvproxyError:
-    """A request the exact count may not admit (unverified features) and whose tokenizer
-    has no guaranteed bound: nothing can show it fits, so it is refused (I1)."""
+def unverified_unbounded(
+    unverified: list[str], where: str, param: str, *, because: str | None = None
+) -> KvproxyError:
+    """A request the exact count may not admit (unverified features) and with no guaranteed
+    bound (the tokenizer has no byte bound, or `because`: the chat template's output size
+    could not be proven): nothing can show it fits, so it is refused (I1)."""
+    why = because or "the configured tokenizer has no guaranteed upper bound"
     return KvproxyError(
         status=400,
         code="context_length_exceeded",
@@ -198,9 +202,8 @@ def unverified_unbounded(unverified: list[str], where: str, param: str) -> Kvpro
         param=param,
         message=(
             f"the prompt's size cannot be established: the request uses {', '.join(unverified)}, "
-            f"which kvproxy's exact count is not verified for on {where}, and the configured "
-            "tokenizer has no guaranteed upper bound. Send a plain chat or configure a "
-            "tokenizer with a byte bound."
+            f"which kvproxy's exact count is not verified for on {where}, and {why}. Send a "
+            "plain chat or configure a tokenizer with a byte bound."
         ),
         extra=count_fields(None, tuple(unverified)),
     )

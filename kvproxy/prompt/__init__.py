@@ -6,12 +6,15 @@ prefill and `PromptShape` a whole request. Everything else in this package is pr
 
 from kvproxy.prompt.chat import REFUSED_TEMPLATE_KWARGS
 from kvproxy.prompt.parse import parse_request
+from kvproxy.prompt.prompt_only import MODELED_KEYS, RERANK_OVERHEAD_TOKENS
 from kvproxy.prompt.shape import MAX_N, MAX_OUTPUT_TOKENS, PromptShape, SequencePrompt, load_json
 
 __all__ = [
     "MAX_N",
     "MAX_OUTPUT_TOKENS",
+    "MODELED_KEYS",
     "REFUSED_TEMPLATE_KWARGS",
+    "RERANK_OVERHEAD_TOKENS",
     "PromptShape",
     "SequencePrompt",
     "load_json",

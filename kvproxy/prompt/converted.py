@@ -29,21 +29,24 @@ from kvproxy.prompt.shape import PromptShape, SequencePrompt, _json_text, _opt_i
 _STORED_CONTEXT = ("previous_response_id", "conversation", "prompt")
 
 
-def parse(route: Route, data: Mapping[str, Any], body_bytes: int) -> PromptShape:
+def parse(route: Route, data: Mapping[str, Any], raw: bytes) -> PromptShape:
     """Parse an already-decoded JSON object for one of this module's routes."""
+    body_bytes = len(raw)
     if route in ("responses", "messages"):
         parse_chat = _responses if route == "responses" else _messages
         seq, out, param = parse_chat(data)
         stream = data.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise invalid_request("stream must be a boolean", "stream")
-        return PromptShape(route, (seq,), out, 1, bool(stream), body_bytes, param, body=data)
+        return PromptShape(
+            route, (seq,), out, 1, bool(stream), body_bytes, param, body=data, raw=raw
+        )
     parser = PROMPT_ONLY.get(route)
     if parser is None:  # a programming error: the route table names a route with no parser
         raise invalid_request(f"route {route} has no parser", None)
     prompts, param = parser(data)
     return PromptShape(
-        route, prompts, None, 1, False, body_bytes, param, generates=False, body=data
+        route, prompts, None, 1, False, body_bytes, param, generates=False, body=data, raw=raw
     )
 
 

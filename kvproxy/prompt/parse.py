@@ -44,8 +44,9 @@ _CORE_ROUTES: frozenset[Route] = frozenset({"chat", "completions", "generate"})
 def parse_request(route: Route, body: bytes) -> PromptShape:
     """Parse one request body. Raises a `KvproxyError` (400) naming the offending field."""
     data = load_json(body)
+    _refuse_uncountable(data)
     if route not in _CORE_ROUTES:
-        return converted.parse(route, data, len(body))
+        return converted.parse(route, data, body)
     prompts: tuple[SequencePrompt, ...]
     if route == "chat":
         prompts, param = (_chat(data),), "messages"
@@ -70,7 +71,27 @@ def parse_request(route: Route, body: bytes) -> PromptShape:
         body_bytes=len(body),
         prompt_param=param,
         body=data,
+        raw=body,
     )
+
+
+# Fields whose prompt the proxy cannot count, on any route: embeddings given as tensors
+# (vLLM's `prompt_embeds` on completions, SGLang's `input_embeds`: their token count is the
+# tensor's first dimension, inside a base64 payload), and SGLang's `session_params`, which
+# continues a session whose earlier context lives in the engine.
+_UNCOUNTABLE = {
+    "prompt_embeds": "prompt_embeds is not supported through kvproxy: its length cannot be "
+    "counted before the engine decodes the tensor",
+    "input_embeds": "input_embeds is not supported through kvproxy",
+    "session_params": "session_params refers to context stored in the engine that kvproxy "
+    "cannot count; send the full prompt",
+}
+
+
+def _refuse_uncountable(data: Mapping[str, Any]) -> None:
+    for key, message in _UNCOUNTABLE.items():
+        if data.get(key) is not None:
+            raise invalid_request(message, key)
 
 
 # --- completions and generate ------------------------------------------------------------

@@ -119,8 +119,41 @@ PROMPT_ONLY: dict[str, Callable[[Mapping[str, Any]], _Parsed]] = {
 }
 
 
+# The top-level fields each route's parser reads (see the functions above). Any other field
+# that `tokens.features.INERT_KEYS` does not name may carry prompt text an engine reads (vLLM's
+# /v1/score takes text_1/text_2, its pooling routes `messages`): the counter then bounds the
+# request by all of its text (tokens.guarantee.text_tokens) and never counts it exactly.
+MODELED_KEYS: dict[str, frozenset[str]] = {
+    "embeddings": frozenset({"input", "encoding_format", "dimensions"}),
+    "classify": frozenset({"input"}),
+    "rerank": frozenset({"query", "documents", "instruct", "top_n", "return_documents"}),
+    "score": frozenset({"query", "items", "label_token_ids", "apply_softmax", "item_first"}),
+    "encode": frozenset({"text", "input_ids", "input", "image_data", "video_data", "audio_data"}),
+    "native_classify": frozenset(
+        {"text", "input_ids", "input", "image_data", "video_data", "audio_data"}
+    ),
+    # Parsed in `kvproxy.prompt`.
+    "completions": frozenset({"prompt", "suffix", "echo", "best_of", "add_special_tokens"}),
+    "generate": frozenset(
+        {
+            "text",
+            "input_ids",
+            "sampling_params",
+            "image_data",
+            "video_data",
+            "audio_data",
+            "return_logprob",
+            "logprob_start_len",
+            "top_logprobs_num",
+            "token_ids_logprob",
+            "return_text_in_logprobs",
+        }
+    ),
+}
+
+
 def _str_pair(value: Any) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(isinstance(s, str) for s in value)
 
 
-__all__ = ["PROMPT_ONLY", "RERANK_OVERHEAD_TOKENS"]
+__all__ = ["MODELED_KEYS", "PROMPT_ONLY", "RERANK_OVERHEAD_TOKENS"]

@@ -81,6 +81,9 @@ class PromptShape:
     # (tokens.features) when an exact count is needed, and vLLM's /tokenize gets the
     # client's own chat fields from it (tokens.engine).
     body: Mapping[str, Any] = field(default_factory=dict)
+    # The request's bytes as received: the guaranteed bound's O(1) form reads them
+    # (tokens.guarantee); never logged.
+    raw: bytes = b""
 
     @property
     def text_chars(self) -> int:

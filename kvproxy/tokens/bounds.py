@@ -76,7 +76,7 @@ def text_bound(s: str, rule: BoundRule) -> int:
     if rule == "bytes":
         return utf8_len(s)
     total = 0
-    for piece, safe in _nfc_pieces(s):
+    for piece, safe in nfc_pieces(s):
         size = utf8_len(piece)
         if safe and (piece.isascii() or unicodedata.is_normalized("NFC", piece)):
             total += size
@@ -89,7 +89,7 @@ def texts_bound(texts: Iterable[str], rule: BoundRule) -> int:
     return sum(text_bound(t, rule) for t in texts)
 
 
-def _nfc_pieces(s: str) -> Iterator[tuple[str, bool]]:
+def nfc_pieces(s: str) -> Iterator[tuple[str, bool]]:
     """Cut `s` at NFC boundaries into pieces of about WINDOW_CHARS.
 
     Yields (piece, checkable): a piece longer than two windows had no boundary to cut at and

@@ -48,13 +48,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvproxy.policy import CHAT_ROUTES, CountMethod, KvproxyError, TokenCount, errors
-from kvproxy.prompt import PromptShape, SequencePrompt
+from kvproxy.prompt import MODELED_KEYS, RERANK_OVERHEAD_TOKENS, PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
 from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest, client_chat_fields
-from kvproxy.tokens.features import request_features
+from kvproxy.tokens.features import INERT_KEYS, request_features
 from kvproxy.tokens.frames import frames_for
+from kvproxy.tokens.guarantee import ChatGuarantee, text_tokens
 from kvproxy.tokens.local import EarlyStopping, LocalTokenizer, Partial
 from kvproxy.tokens.templates import ChatTemplate
 from kvproxy.tokens.verified import Method, Verifier
@@ -65,6 +66,8 @@ T = TypeVar("T")
 # case (an is_normalized over 16 K hostile characters) is ~2 ms, less than a thread hop.
 INLINE_CHARS = 16_384
 INLINE_MESSAGES = 64
+# Bodies up to this many bytes get the O(1) guarantee on the loop (a few C-speed scans).
+QUICK_BYTES = 65_536
 # Special tokens a post-processor may add to a text sequence when the tokenizer is unknown
 # (GLM-4 adds 2, Llama-3 1), plus one for a ByteLevel prefix space.
 UNKNOWN_SPECIAL_TOKENS = 8
@@ -91,6 +94,15 @@ class _Plan:
     # The render came from a proven frame (tokens.frames), not from jinja: used to admit on
     # the bound only; a decision near the limit renders plainly (`_count`).
     framed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    """What the guarantee says of one request (TokenCounter._judged)."""
+
+    bound: int | None  # the guaranteed bound in tokens; None when none can be given
+    unverified: tuple[str, ...]  # features the exact count may not admit
+    where: str  # the engines and router the verified table was read for
 
 
 class _WorkerFailed(Exception):
@@ -121,6 +133,13 @@ class TokenCounter:
         self._rule: BoundRule = bound_rule or "nfc"
         self._template = template
         self._frames = frames_for(template)
+        # The guaranteed bound of chat-like requests (tokens.guarantee), proven once per
+        # template; a string says why the template could not be proven.
+        self._guarantee: ChatGuarantee | str | None = None
+        if template is not None:
+            self._guarantee = ChatGuarantee.build(
+                template.source, bound_rule, special_tokens, template.special_tokens
+            )
         self._local = local
         self._engine = engine
         self._specials = special_tokens
@@ -155,8 +174,14 @@ class TokenCounter:
             "exact": f"exact counts with {self._description}",
             "engine": f"exact counts with {self._description}",
         }[self.method]
+        g = self._guarantee
+        proven = (
+            "none" if g is None else (g.describe() if isinstance(g, ChatGuarantee) else
+                                      f"unproven ({g})")
+        )  # fmt: skip
         return (
             f"{head}; chat template: {template}; admit on bound: {self._trust_bound}; "
+            f"chat guarantee: {proven}; "
             f"timeout {self._timeout_s:g} s; concurrency {self._concurrency}"
         )
 
@@ -176,8 +201,16 @@ class TokenCounter:
             p.message_count <= INLINE_MESSAGES for p in shape.prompts
         )
         try:
+            guarded = self._guarded(shape)
+            if guarded and small:
+                # The guaranteed bound first: most requests are decided here, inline.
+                decided = self._on_guarantee(
+                    shape, self._judged(shape, admit_at_most), admit_at_most, total_at_most
+                )
+                if decided is not None:
+                    return decided
             plans = None
-            if small:
+            if small and not guarded:
                 # Planned inline; when the bound decides, nothing was awaited and there is
                 # nothing for a timeout to bound (entering one costs ~4 us per request).
                 plans = self._plan(shape)
@@ -187,11 +220,108 @@ class TokenCounter:
                 if decided is not None:
                     return decided
             async with asyncio.timeout(self._timeout_s):
+                if guarded and not small:
+                    # Off the loop: the walk and the features read every field.
+                    judged = await self._offload(self._judged, shape, admit_at_most)
+                    decided = self._on_guarantee(shape, judged, admit_at_most, total_at_most)
+                    if decided is not None:
+                        return decided
+                if guarded and small:
+                    # Verified features: the replica's render decides from here.
+                    plans = self._plan(shape)
+                    decided = self._on_bound(plans, admit_at_most, total_at_most)
+                    if decided is not None:
+                        return decided
                 return await self._count(shape, admit_at_most, total_at_most, plans)
         except TimeoutError:
             raise errors.count_unavailable(f"over {self._timeout_s:g} s") from None
         except _WorkerFailed as exc:
             raise errors.count_unavailable(f"tokenizer failed: {exc}") from None
+
+    # --- the guaranteed bound (tokens.guarantee) ---------------------------------------------
+
+    def _guarded(self, shape: PromptShape) -> bool:
+        """Whether this request is decided by the guarantee before any replica render: every
+        chat-like request when a template is configured, and a prompt-only request with a
+        field kvproxy's parser does not model (its text may be prompt text too)."""
+        if shape.route in CHAT_ROUTES:
+            return self._template is not None
+        return bool(unmodeled_keys(shape))
+
+    def _guaranteed(self, shape: PromptShape, admit_at_most: int) -> int | None:
+        """The guaranteed bound in tokens (None: none can be given): the O(1) bound when it
+        already admits, else the walk over every field."""
+        media = max(self._image_tokens, self._audio_tokens)
+        g = self._guarantee
+        if shape.route not in CHAT_ROUTES:
+            rule = self._rule if self._trust_bound else None
+            text = text_tokens(shape.body, rule, self._specials + RERANK_OVERHEAD_TOKENS)
+            if text is not None and isinstance(g, ChatGuarantee) and "messages" in shape.body:
+                # vLLM's pooling routes render `messages` with the chat template.
+                chat = g.tokens(shape.body, "pool", media)
+                return None if chat is None else max(text, chat)
+            return text
+        if not isinstance(g, ChatGuarantee):
+            return None
+        if len(shape.raw) <= QUICK_BYTES or not shape.body:
+            quick = g.quick(shape.raw, shape.body, shape.route) if shape.raw else None
+            if quick is not None and quick <= admit_at_most:
+                return quick
+        return g.tokens(shape.body, shape.route, media)
+
+    def _judged(self, shape: PromptShape, admit_at_most: int) -> _Judged:
+        """The guaranteed bound, and (unless it admits) the features the exact count is not
+        verified for: both read every field, so large requests get them in a worker."""
+        g = self._guaranteed(shape, admit_at_most)
+        if g is not None and g <= admit_at_most and self._trust_bound:
+            return _Judged(g, (), "")
+        unverified: tuple[str, ...] = ()
+        where = ""
+        if self.verifier is not None:
+            features = request_features(shape.route, shape.body)
+            unverified = tuple(self.verifier.unverified(features, self._count_method(shape)))
+            where = self.verifier.describe()
+        if shape.route not in CHAT_ROUTES:
+            # A field the parser does not model may be prompt text: never exact.
+            unverified = (*unverified, "unknown:body")
+        return _Judged(g, unverified, where)
+
+    def _on_guarantee(
+        self, shape: PromptShape, judged: _Judged, admit_at_most: int, total_at_most: int | None
+    ) -> TokenCount | None:
+        """Admit on the guarantee when it fits; decide on it alone when the request uses a
+        feature the exact count is not verified for; else None: the replica's count decides
+        (tokens.verified)."""
+        g = judged.bound
+        fits = (
+            g is not None and g <= admit_at_most and (total_at_most is None or g <= total_at_most)
+        )
+        if g is not None and fits and self._trust_bound:
+            return TokenCount(g, "bound", exact=False, total_tokens=g, bound=g)
+        if not judged.unverified:
+            return None
+        if g is None:
+            reason = self._guarantee
+            because = (
+                f"its chat template could not be proven ({reason})"
+                if isinstance(reason, str)
+                else None
+            )
+            raise errors.unverified_unbounded(
+                list(judged.unverified),
+                judged.where or "these engines",
+                shape.prompt_param,
+                because=because,
+            )
+        return TokenCount(
+            g,
+            "bound",
+            exact=False,
+            total_tokens=g,
+            bound=g,
+            unverified=judged.unverified,
+            verified_for=judged.where,
+        )
 
     def _on_bound(
         self, plans: list[_Plan], admit_at_most: int, total_at_most: int | None
@@ -435,6 +565,15 @@ class TokenCounter:
             req = EngineTokenizeRequest(prompt=seq.tools_json, add_special_tokens=False)
             tools = await engine(req)
         return n + bounds.chat_overhead_bound(seq.message_count, tools) + plan.fixed
+
+
+def unmodeled_keys(shape: PromptShape) -> list[str]:
+    """Top-level fields of a prompt-only request that kvproxy's parser neither counts nor
+    knows to be inert (vLLM's /v1/score reads text_1/text_2 beside SGLang's query/items)."""
+    known = MODELED_KEYS.get(shape.route)
+    if known is None:
+        return []
+    return [k for k in shape.body if k not in known and k not in INERT_KEYS]
 
 
 def _unseen_bytes(seq: SequencePrompt) -> int:

@@ -16,7 +16,7 @@ from oracles.run import Result, run
 
 # Fuzz examples per class and model: fast (9 models, in `make test`) and slow.
 FAST_EXAMPLES = int(os.environ.get("KVPROXY_ORACLE_FAST_EXAMPLES", "4"))
-SLOW_EXAMPLES = int(os.environ.get("KVPROXY_ORACLE_SLOW_EXAMPLES", "40"))
+SLOW_EXAMPLES = int(os.environ.get("KVPROXY_ORACLE_SLOW_EXAMPLES", "20"))
 
 
 @pytest.fixture(scope="session")

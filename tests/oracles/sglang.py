@@ -41,6 +41,14 @@ GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest
 # protocol.py ReasoningEffortTier
 EFFORT_TIERS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"})
 MEDIA_PART_TYPES = frozenset({"image_url", "video_url", "audio_url", "input_audio"})
+# protocol.py ChatCompletionMessageContent{Image,Video,Audio}URL: the fields a dump carries.
+MEDIA_FIELDS = {
+    "image_url": ("url", "detail", "max_dynamic_patch", "min_dynamic_patch",
+                  "max_long_side_pixel", "content_hash"),
+    "video_url": ("url", "max_dynamic_patch", "min_dynamic_patch", "fps", "max_frames",
+                  "max_tokens_per_frame", "max_image_tokens", "max_long_side_pixel"),
+    "audio_url": ("url",),
+}  # fmt: skip
 
 
 # --- parsing --------------------------------------------------------------------------------
@@ -96,7 +104,14 @@ def _part(p: Any, role: str) -> dict[str, Any]:
         inner = p.get(t)
         if not isinstance(inner, dict) or not isinstance(inner.get("url"), str):
             raise Refused(f"{t} needs an object with a url")
-        return {"type": t, t: {"url": inner["url"]}}
+        fields = MEDIA_FIELDS[t]
+        if any(k != "url" and inner.get(k) is not None for k in fields):
+            raise Unmodelled(f"{t} options")
+        dumped = dict.fromkeys(fields) | {"url": inner["url"]}
+        if t == "image_url":
+            dumped["detail"] = "auto"
+            return {"type": t, t: dumped, "modalities": "image"}
+        return {"type": t, t: dumped}
     if t == "input_audio":
         # protocol.py _to_audio_url_part: inline audio becomes an audio_url data URI.
         inner = p.get("input_audio")

@@ -226,3 +226,47 @@ def test_prompt_embeds_are_uncountable_and_input_embeds_refused_by_default() -> 
 def test_orjson_turns_integers_beyond_64_bits_into_floats() -> None:
     """What SGLang's parse does with them in this venv (versions.ORJSON_VERSION)."""
     assert orjson.loads(b"18446744073709551616") == 1.8446744073709552e19
+
+
+@pytest.mark.parametrize(
+    ("template", "fmt"),
+    [
+        (
+            "{% for m in messages %}{% for p in m['content'] %}{{ p }}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", "string"),
+        (
+            "{% macro show(parts) %}{% for p in parts %}{{ p.type }}{% endfor %}{% endmacro %}"
+            "{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% macro show(role, parts) %}{% for p in parts %}{{ p.type }}{% endfor %}"
+            "{% endmacro %}"
+            "{% for m in messages %}{{ show(role=m.role, parts=m['content']) }}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% macro show(parts) %}{% for p in parts %}{{ p }}{% endfor %}{% endmacro %}"
+            "{% for m in messages %}{{ show(parts=['fixed']) }}{% endfor %}",
+            "string",
+        ),
+        (
+            "{% set ns = namespace(todo=messages) %}"
+            "{% for m in ns.todo %}{% for p in m.content %}{{ p.type }}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% set ns = namespace(todo=[]) %}{% set ns.todo = messages %}"
+            "{% for m in ns.todo %}{% for p in m.content %}{{ p.type }}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+    ],
+)
+def test_vllm_content_format_follows_messages_through_macros_and_aliases(
+    template: str, fmt: str
+) -> None:
+    """renderers/hf.py _detect_content_format: the shapes vLLM's own tests pin (the replica
+    also agrees with vLLM's expectations for the 18 example templates of its sdist)."""
+    assert vllm.content_format(template) == fmt

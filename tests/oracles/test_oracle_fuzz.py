@@ -16,6 +16,11 @@ from oracles.fuzz import CLASSES
 from oracles.known_failures import FUZZ_FAST_TODAY, FUZZ_SLOW_TODAY
 from oracles.run import Result, Violation
 
+# The first test to ask for a run builds it (a model at a time: ~1-2 min of CPU for the fast
+# form, far more for the slow one), so the per-test timeout must cover that.
+pytestmark = pytest.mark.timeout(1800)
+SLOW_TIMEOUT_S = 6 * 3600
+
 
 def _params(known: dict[str, str]) -> list[object]:
     return [
@@ -47,6 +52,7 @@ def test_fuzzed_bodies_are_never_admitted_over_and_exact_is_exact(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
 @pytest.mark.parametrize("klass", _params(FUZZ_SLOW_TODAY))
 def test_fuzzed_bodies_on_every_template(klass: str, slow_run: Result) -> None:
     assert slow_run.fuzz_checked[klass] > 0

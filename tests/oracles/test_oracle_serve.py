@@ -124,13 +124,18 @@ async def test_the_system_role_body_is_refused_with_a_50_token_pool_and_never_fo
 AGREE = ["plain-chat", "role-System", "tool-strict-defer", "reasoning-effort-none"]
 
 
+# A pool that holds the plain chat (228 tokens, counted exactly) and none of the others,
+# which are decided by their guaranteed bounds (thousands of tokens).
+AGREE_POOL = 240
+
+
 async def test_the_adapter_decides_as_kvproxy_serve_does() -> None:
     """The adapter runs its own event loop: here it runs in a worker thread."""
     side = None
     try:
-        async with served("qwen-3", 215) as srv:
+        async with served("qwen-3", AGREE_POOL) as srv:
             side = await asyncio.to_thread(
-                KvproxySide, load_model("qwen-3").directory, "sglang", engines=_static(215)
+                KvproxySide, load_model("qwen-3").directory, "sglang", engines=_static(AGREE_POOL)
             )
             seen = set()
             for name in AGREE:

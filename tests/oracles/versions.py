@@ -8,10 +8,10 @@ here by sha256, not from a branch that moves:
 - SGLang 0.5.23 (PyPI wheel sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl, uploaded
   2026-10-30): the newest release. Its `sglang/_version.py` carries no commit id, so the
   files are cited as ``sglang@v0.5.23``.
-- SGLang 0.5.9 (PyPI wheel sglang-0.5.9-py3-none-any.whl, 2026-02-23): the last release
-  read here whose `/v1/responses` still falls back to plain ``role: content`` lines when
-  the chat conversion fails (0.5.23 answers 400 instead). Only that fallback is replicated
-  from it.
+- SGLang 0.5.9 (PyPI wheel sglang-0.5.9-py3-none-any.whl, 2026-02-23): a release whose
+  `/v1/responses` still falls back to plain ``role: content`` lines when the chat
+  conversion fails (0.5.23 answers 400 instead; the releases between were not read). Only
+  that fallback is replicated from it.
 - vLLM 0.34.0 (PyPI sdist vllm-0.34.0.tar.gz, 2026-11-16; `vllm/_version.py` commit
   ``g62d4bc3c7``): the newest release.
 - smg 1.13.0 (PyPI sdist smg-1.13.0.tar.gz, the source of the wheel in `.venv-smg`; its
@@ -27,8 +27,7 @@ changed across releases).
 
 from __future__ import annotations
 
-import orjson
-import transformers
+from importlib.metadata import version
 
 SGLANG = "0.5.23"
 SGLANG_LEGACY = "0.5.9"
@@ -58,5 +57,5 @@ ARTIFACTS: dict[str, tuple[str, str]] = {
     ),
 }
 
-TRANSFORMERS_VERSION: str = transformers.__version__
-ORJSON_VERSION: str = orjson.__version__
+TRANSFORMERS_VERSION: str = version("transformers")
+ORJSON_VERSION: str = version("orjson")

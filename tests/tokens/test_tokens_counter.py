@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 import pytest
@@ -17,6 +18,7 @@ from kvproxy.prompt import PromptShape
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.counter import UNKNOWN_SPECIAL_TOKENS, TokenCounter
+from kvproxy.tokens.guarantee import ChatGuarantee
 from kvproxy.tokens.templates import ChatTemplate
 
 SIMPLE_TEMPLATE = (
@@ -175,7 +177,10 @@ async def test_template_errors_are_a_400_without_text() -> None:
     c = counter_with(FakeTokenizer(template=tmpl))
     try:
         with pytest.raises(KvproxyError) as info:
-            await c.count(chat("PRIVATE-PROMPT"), 10)
+            # A limit below any bound: the render decides (a template that always raises is
+            # proven to print nothing, so its guaranteed bound alone would admit the request
+            # and the engine would refuse it).
+            await c.count(chat("PRIVATE-PROMPT"), 0)
     finally:
         await c.aclose()
     assert info.value.status == 400
@@ -251,13 +256,26 @@ async def test_large_shapes_are_planned_off_the_loop() -> None:
 
     tmpl.render_all = spy  # type: ignore[method-assign]
     c = TokenCounter(bound_rule="nfc", template=tmpl)
+    guarantee = c._guarantee
+    assert isinstance(guarantee, ChatGuarantee)
+    walked: list[int] = []
+    walk = guarantee.tokens
+
+    def spy_walk(*args: Any) -> int | None:
+        walked.append(threading.get_ident())
+        return walk(*args)
+
+    guarantee.tokens = spy_walk  # type: ignore[method-assign]
     try:
-        await c.count(chat("small"), 10**9)
-        await c.count(chat("x" * 100_000), 10**9)
+        # A limit no bound meets: the guarantee, then the template's render, decide.
+        await c.count(chat("small"), 0)
+        await c.count(chat("x" * 100_000), 0)
     finally:
         await c.aclose()
     assert seen[0] == loop_thread
     assert seen[1] != loop_thread
+    assert walked[0] == loop_thread
+    assert walked[1] != loop_thread
 
 
 async def test_a_batch_carries_its_total_next_to_the_largest_sequence() -> None:
