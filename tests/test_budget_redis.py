@@ -152,7 +152,15 @@ async def test_never_more_than_the_budget_across_three_replicas(tmp_path: Path) 
     budget = 1000
     ledger = {"now": 0, "peak": 0}
     rng = random.Random(20)
-    async with redis_server(tmp_path) as server, replicas(server, 3, max_tokens=budget) as rs:
+    # The claim is for live replicas and a live Redis, so the lease TTL and the call timeout
+    # are far above any stall a loaded machine causes: with 3 s and 5 s, a run beside three
+    # pytest-xdist workers on a machine at load 10 peaked at 1,216 (a starved loop can miss
+    # a renewal, expiring a live lease, or time a call out and fall back to local shares).
+    # Expiry and outages have their own tests.
+    async with (
+        redis_server(tmp_path) as server,
+        replicas(server, 3, max_tokens=budget, lease_ttl_s=60.0, timeout_s=30.0) as rs,
+    ):
 
         async def one(r: RedisBudget, tokens: int, hold_s: float) -> str:
             try:
