@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 from hypothesis import settings
-from kvtest import FakeUpstream
+from kvtest import SUMMARIES, FakeUpstream, SummarySections, add_summary
 
 # CI (CI=true) runs every property test on a fixed sequence of examples, so a landing never
 # depends on which examples one run happened to draw; local runs keep exploring, and what
@@ -29,3 +31,36 @@ async def upstream() -> AsyncIterator[FakeUpstream]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         yield session
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its summary sections to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["kvproxy_summaries"] = session.config.stash.get(SUMMARIES, {})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """The controller merges a finished worker's summary sections (xdist hook)."""
+    config: pytest.Config = node.config  # type: ignore[attr-defined]
+    sections: SummarySections = getattr(node, "workeroutput", {}).get("kvproxy_summaries", {})
+    for title, (path, lines) in sections.items():
+        add_summary(config, title, lines, path)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Sections tests added (e.g. the chat differential's over-counts), shown without -s."""
+    if hasattr(terminalreporter.config, "workeroutput"):
+        return
+    for title, (path, lines) in sorted(terminalreporter.config.stash.get(SUMMARIES, {}).items()):
+        if not lines:
+            continue
+        text = [lines[key] for key in sorted(lines)]
+        terminalreporter.section(title)
+        for line in text:
+            terminalreporter.write_line(line)
+        if path:
+            with contextlib.suppress(OSError):
+                Path(path).write_text("\n".join(text) + "\n", encoding="utf-8")
+                terminalreporter.write_line(f"(also in {path})")

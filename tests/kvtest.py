@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from kvproxy.config import load_settings
@@ -168,3 +169,18 @@ def content_with_tokens(count: Callable[[str], int], target: int, base: str) -> 
     content = base + "1" * (target - count(base))
     assert count(content) == target
     return content
+
+
+# Terminal-summary sections a conftest adds at the end of a session: title -> (path or "",
+# key -> line). Under pytest-xdist they are filled in the workers and printed by the
+# controller (tests/conftest.py carries them across in `workeroutput`).
+SummarySections = dict[str, tuple[str, dict[str, str]]]
+SUMMARIES = pytest.StashKey[SummarySections]()
+
+
+def add_summary(config: pytest.Config, title: str, lines: dict[str, str], path: str = "") -> None:
+    """Add `lines` (key -> line, printed sorted by key) to the session's summary `title`;
+    `path`, if given, is where the controller also writes the section."""
+    sections = config.stash.setdefault(SUMMARIES, {})
+    _, old = sections.get(title, (path, {}))
+    sections[title] = (path, {**old, **lines})

@@ -175,7 +175,7 @@ def legacy_binary() -> str:
     """``sglang-router`` 0.3.2 from the test venv (its own ``bin/smg`` is never used)."""
     found = Path(sys.executable).parent / "sglang-router"
     if not found.exists():
-        pytest.skip("sglang-router 0.3.2 is not installed")
+        pytest.skip("sglang-router 0.3.2 is not installed (make test-slow installs .[router])")
     return str(found)
 
 

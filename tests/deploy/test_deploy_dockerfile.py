@@ -1,9 +1,11 @@
-"""deploy/Dockerfile, linted: no container engine runs here, so the image is never built in CI.
+"""deploy/Dockerfile, linted (fast suite); the slow suite builds and runs it
+(tests/deploy/test_deploy_image.py, after `make image`).
 
 The file is parsed into instructions (comments, parser directives and line continuations
 handled) and checked for what the image must be: a pinned base, a build stage and a final
 stage without compilers, a numeric non-root user, `kvproxy serve` as the entrypoint, no
-HEALTHCHECK (Kubernetes probes it), and dependencies pinned to the tested set.
+HEALTHCHECK (Kubernetes probes it), dependencies pinned to the tested set, and an
+interpreter called by the name every supported base has (`python3`).
 """
 
 from __future__ import annotations
@@ -124,6 +126,15 @@ def test_multi_stage_and_no_compilers_in_the_final_image() -> None:
     build_runs = " ".join(STAGES[0].all("RUN"))
     assert "--only-binary=:all:" in build_runs
     assert "--constraint constraints.txt" in build_runs
+
+
+def test_commands_call_python3_which_every_supported_base_has() -> None:
+    # The official image has `python` and `python3`; Debian's python3 package (the base
+    # `make image` builds where no registry is reachable) has only `python3`.
+    runs = [run for stage in STAGES for run in stage.all("RUN")]
+    assert any("python3 -m venv" in run for run in runs)
+    for run in runs:
+        assert not re.search(r"(^|[\s/&;|])python(\s|$)", run), f"bare `python` in: {run}"
 
 
 def test_runs_as_a_numeric_non_root_user() -> None:

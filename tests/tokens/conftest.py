@@ -3,12 +3,12 @@ and one byte-level BPE trained here (GPT-2 split regex + an NFC normalizer, a th
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from chat_reference import REPORT
+from kvtest import add_summary
 from tokenizer_files import cache_root, real_tokenizer_dir
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -72,15 +72,14 @@ def whole_count() -> Callable[[HfTokenizer, str], int]:
     return count
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The chat differential suite's largest over-count per template (shown without -s)."""
-    if not REPORT:
-        return
-    lines = [REPORT[m] for m in sorted(REPORT)]
-    terminalreporter.section("chat differential: kvproxy vs transformers, per template")
-    for line in lines:
-        terminalreporter.write_line(line)
-    path = cache_root() / "chat-differential-report.txt"
-    with contextlib.suppress(OSError):
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        terminalreporter.write_line(f"(also in {path})")
+@pytest.hookimpl(tryfirst=True)  # before tests/conftest.py hands the sections on
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The chat differential suite's largest over-count per template, for the terminal
+    summary (printed by tests/conftest.py, under xdist too)."""
+    if REPORT:
+        add_summary(
+            session.config,
+            "chat differential: kvproxy vs transformers, per template",
+            dict(REPORT),
+            str(cache_root() / "chat-differential-report.txt"),
+        )

@@ -213,6 +213,7 @@ class Pair:
 
 
 # Two threads: HF references in parallel, and the next tokenizer loading in the background.
+# `_pools` replaces them whenever the module's fixtures are set up (threads start lazily).
 _REFERENCE = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hf-reference")
 _LOADER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pair-loader")
 _loading: dict[str, concurrent.futures.Future[Pair]] = {}
@@ -247,6 +248,11 @@ def _future(model: str) -> concurrent.futures.Future[Pair]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _pools() -> Iterator[None]:
+    # Fresh pools each time: under pytest-xdist a worker may run this module in several
+    # stretches, its module fixtures torn down (and these pools shut down) in between.
+    global _REFERENCE, _LOADER
+    _REFERENCE = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hf-reference")
+    _LOADER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pair-loader")
     yield
     for fut in _loading.values():
         fut.cancel()

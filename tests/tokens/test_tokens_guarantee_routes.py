@@ -12,10 +12,10 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from kvproxy.policy.errors import KvproxyError
 from kvtest import FakeUpstream, running_proxy, static_engines
 from tokenizer_files import real_tokenizer_dir
 
+from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import parse_request
 from kvproxy.tokens.counter import TokenCounter, unmodeled_keys
 from kvproxy.tokens.local import load_hf
