@@ -9,7 +9,7 @@ into exit code 2.
 `load_settings` is the one loader (serve, demo, check): it reads the environment and never
 writes it, so the config path travels as an argument, not through `os.environ`.
 
-Every default here is a safety decision; the README explains each one.
+Every default here is a safety decision; docs/configuration.md explains each one.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Settings(ModelFields, BaseSettings):
     max_request_headers: int = Field(default=100, ge=1, le=128)
     # X-Forwarded-For gets the peer's address appended. Set, the number of proxies in front
     # of kvproxy that append to it: only their addresses are kept (0: only the peer's, and
-    # the client's Forwarded / X-Real-IP / X-Forwarded-* are dropped). README "Headers".
+    # the client's Forwarded / X-Real-IP / X-Forwarded-* are dropped). docs/routes.md "Headers".
     forwarded_trusted_hops: int | None = Field(default=None, ge=0, le=16)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     # Worst time between two upstream reads: a 1M-token prefill can take minutes before the
