@@ -254,7 +254,7 @@ async def test_a_client_leaving_a_stream_is_deferred_until_its_first_token(
         outcomes = ("first_token", "completed", "timeout", "upstream_error")
 
         def deferred() -> dict[str, float]:
-            return {o: m.deferred_total.labels(o)._value.get() for o in outcomes}
+            return {o: m.deferred_total.labels(o, "default")._value.get() for o in outcomes}
 
         assert await wait_until(lambda: sum(deferred().values()) >= 1)
         got = deferred()
