@@ -1,9 +1,19 @@
 """The model table: which model's policy a request is counted and admitted against.
 
 Each configured model (kvproxy.config.models) gets a `ModelServices` bundle: its settings,
-its own `CapacityMonitor` (its engines, measured and failing closed on their own), its
-`TokenCounter` (its tokenizer and chat template) and its in-flight `Budget` (budgets belong
-to an engine pool). `ModelTable.for_request` is the request path's one lookup.
+its `TokenCounter` (its tokenizer and chat template) and its upstream clusters
+(`ClusterServices`: one, the implicit `default`, unless the model lists `upstreams`), each
+with its router URL, its own `CapacityMonitor` (its engines, measured and failing closed on
+their own), its in-flight `Budget` (budgets belong to an engine pool), its passive `Health`
+and weight; `ModelServices.balancer` is the model's routing state (kvproxy.policy.routing).
+`ModelTable.for_request` is the request path's one lookup.
+
+Gateway mode (a model with `upstreams`): the model is ready while any cluster is; its
+/capacity lists each cluster under `clusters` (weight, ejected_until and the single-model
+snapshot); its model-wide gauges (admission limit, capacity known, budget) are computed at
+scrape time over the clusters (the largest limit any measured cluster offers). Its counter
+is built on every cluster's engines, and no cluster's monitor feeds its verifier: the count
+is taken once, before the cluster is picked, so it must hold on each of them.
 
 Both configuration forms are one table (`Settings.model_table()`): the single-model form is
 a table of one implicit model (`IMPLICIT_MODEL`) that is also the default. Resolution, by the
@@ -36,8 +46,7 @@ from kvproxy.budget import Budget, build_budget
 from kvproxy.capacity import CapacityMonitor, Limits
 from kvproxy.config import IMPLICIT_MODEL, ModelSpec, Settings
 from kvproxy.observe import UNKNOWN_MODEL, Metrics
-from kvproxy.policy import KvproxyError, errors
-from kvproxy.policy.routing import Balancer, EjectionCause, Health
+from kvproxy.policy import KvproxyError, errors, routing
 from kvproxy.prompt import load_json
 from kvproxy.tokens import TokenCounter, build_counter
 
@@ -56,7 +65,7 @@ class ClusterServices:
     settings: Settings
     capacity: CapacityMonitor
     budget: Budget
-    health: Health
+    health: routing.Health
 
     def limits(self) -> Limits:
         return self.capacity.limits()
@@ -101,7 +110,7 @@ class ModelServices:
     # and /capacity keeps the single-cluster shape).
     gateway: bool = False
     affinity_header: str | None = None
-    balancer: Balancer = field(default_factory=Balancer)
+    balancer: routing.Balancer = field(default_factory=routing.Balancer)
 
     @property
     def capacity(self) -> CapacityMonitor:
@@ -155,7 +164,7 @@ class ModelServices:
                 return c
         return self.clusters[0]
 
-    def eject(self, cluster: ClusterServices, cause: EjectionCause, metrics: Any) -> None:
+    def eject(self, cluster: ClusterServices, cause: routing.EjectionCause, metrics: Any) -> None:
         """Passive health: a connect failure or a 5xx from the cluster's router."""
         if cluster.health.eject(time.monotonic()):
             metrics.upstream_ejections.labels(self.name, cluster.name, cause).inc()
@@ -355,7 +364,7 @@ def _model_services(
         cs = settings.for_cluster(spec, cluster)
         metrics.add_cluster(name, cluster.name)
         budget = build_budget(cs, metrics, name)
-        health = Health(settings.upstream_eject_s, settings.upstream_eject_max_s)
+        health = routing.Health(settings.upstream_eject_s, settings.upstream_eject_max_s)
         clusters.append(
             ClusterServices(
                 name=cluster.name,
