@@ -43,7 +43,7 @@ from test_deploy_safety import (
     setting,
 )
 
-from kvproxy.config import split_host_port
+from kvproxy.config import load_settings, split_host_port
 from kvproxy.observe.metrics import Metrics
 
 OVERLAY = "overlays/gateway"
@@ -224,6 +224,38 @@ def test_gateway_security_context(rel: str) -> None:
         assert problems_security(pod_spec(workload)) == []
 
 
+def test_gateway_config_loads_as_one_model_on_several_clusters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objs = render(OVERLAY)
+    spec = pod_spec(deployment(objs))
+    cfg = mounted_config(objs, spec)
+    path = tmp_path / "kvproxy.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    for key in list(os.environ):
+        if key.upper().startswith("KVPROXY_"):
+            monkeypatch.delenv(key)
+    kv = container(spec, "kvproxy")
+    env = {e["name"]: e.get("value") for e in kv.get("env", [])}
+    mount = next(m for m in kv["volumeMounts"] if m["name"] == "kvproxy-config")
+    assert env["KVPROXY_CONFIG"] == f"{mount['mountPath']}/kvproxy.yaml"
+    assert mount["readOnly"] is True
+    monkeypatch.setenv("KVPROXY_CONFIG", str(path))
+    settings = load_settings()  # kvproxy's own validating loader, as the Pod runs it
+    [model] = settings.model_table()
+    clusters = settings.clusters(model)
+    assert [c.name for c in clusters] == [c["name"] for c in cfg["upstreams"]]
+    assert len(clusters) >= 2
+    for cluster in clusters:
+        own = settings.for_cluster(model, cluster)
+        assert own.engines == cluster.engines  # measured on its own engines
+        assert own.upstream == cluster.url
+    assert settings.max_context is not None
+    assert settings.affinity_for(model) == "X-Session-ID"
+    assert resolve_port(kv, "http") == settings.listen_host_port[1]
+    assert resolve_port(kv, "admin") == settings.admin_host_port[1]
+
+
 # --- the checks catch what they claim to catch ---------------------------------------------
 
 
@@ -308,14 +340,21 @@ def test_gateway_release_gate_checks_the_rolled_out_config_with_its_clusters(
     mount = next(m for m in check["volumeMounts"] if m["name"] == "kvproxy-config")
     assert argv[:4] == ["kvproxy", "check", "--config", f"{mount['mountPath']}/kvproxy.yaml"]
     assert argv[argv.index("--proxy") + 1] == "http://kvproxy:8080"
-    # The gate's own parser accepts this command line (no probe runs: --help-free parse).
-    parse = (
-        "import sys, argparse; from kvproxy.tools import check_cli; "
-        "p = argparse.ArgumentParser(); check_cli.add_arguments(p); "
-        "a = p.parse_args(sys.argv[1:]); print(a.config)"
+    # The gate's own command line, on the mounted file: it gates each configured cluster
+    # on that cluster's engines (everything up to the probes, which need the clusters).
+    config = tmp_path / "kvproxy.yaml"
+    config.write_text(yaml.safe_dump(mounted_config(gate, pod_spec(job))), encoding="utf-8")
+    plan = (
+        "import sys, argparse; from kvproxy.tools import check_cli as c; "
+        "from kvproxy.tools.check.cli import cluster_targets, gate_settings, check_sims; "
+        "p = argparse.ArgumentParser(); c.add_arguments(p); a = p.parse_args(sys.argv[1:]); "
+        "s = gate_settings(a); check_sims(a, s); [m] = s.model_table(); "
+        "[print(t.name, t.url, *(e.url for e in t.gate.engines)) "
+        "for t in cluster_targets(a, s, m)]"
     )
+    args = [str(config) if a == argv[3] else a for a in argv[2:]]
     done = subprocess.run(
-        [sys.executable, "-c", parse, *argv[2:]],
+        [sys.executable, "-c", plan, *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -323,4 +362,7 @@ def test_gateway_release_gate_checks_the_rolled_out_config_with_its_clusters(
         env={k: v for k, v in os.environ.items() if not k.upper().startswith("KVPROXY_")},
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "/etc/kvproxy/kvproxy.yaml"
+    cfg = mounted_config(gate, pod_spec(job))
+    assert done.stdout.splitlines() == [
+        " ".join([c["name"], c["url"], *(e["url"] for e in c["engines"])]) for c in cfg["upstreams"]
+    ]
