@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ports import free_port
 from test_check_gate import validate
 
 from kvproxy.config import ConfigError, load_settings
@@ -108,12 +109,22 @@ async def test_check_gates_each_cluster_and_the_routing_between_them(tmp_path: P
         clusters = upstreams(sims, {n: s.router_url for n, s in sims.items()})
         cfg = tmp_path / "kvproxy.yaml"
         cfg.write_text(yaml.safe_dump({"upstreams": clusters, "tokenizer": "engine"}))
-        async with gateway(clusters) as proxy:
+        # A second gateway whose clusters' engines answer nowhere: none is measured, so it
+        # must fail closed (503 capacity_unknown) rather than pick a cluster.
+        blind = [
+            {
+                **c,
+                "engines": [{**e, "url": f"http://127.0.0.1:{free_port()}"} for e in c["engines"]],
+            }
+            for c in clusters
+        ]
+        async with gateway(clusters) as proxy, gateway(blind) as unknown:
             await measured(proxy, list(sims))
             rc, out = await check_cli(
                 "--config", str(cfg),
                 "--proxy", proxy.public_url, "--proxy-admin", proxy.admin_url,
                 "--sim", f"small={small.router_url}", "--sim", f"large={large.router_url}",
+                "--unknown-probe", unknown.public_url,
                 "--out", str(tmp_path / "rec"),
             )  # fmt: skip
     assert rc == 0, out
@@ -148,6 +159,7 @@ async def test_check_gates_each_cluster_and_the_routing_between_them(tmp_path: P
     assert over["data"]["status"] == 400
     assert over["data"]["arrived"] == {"small": "", "large": ""}
     assert any(name.startswith("cluster small: measure ") for name in checks)
+    assert checks["capacity-unknown probe"]["passed"], checks["capacity-unknown probe"]
     md = (tmp_path / "rec" / "release-record.md").read_text()
     assert "## Clusters (gateway mode" in md
     assert "| small |" in md

@@ -26,7 +26,13 @@ from typing import Any
 import aiohttp
 
 from kvproxy import __version__
-from kvproxy.tools.check.boundary import REQUEST_TIMEOUT_S, Check, isolation_checks, resolve_model
+from kvproxy.tools.check.boundary import (
+    REQUEST_TIMEOUT_S,
+    Check,
+    isolation_checks,
+    resolve_model,
+    unknown_probe,
+)
 from kvproxy.tools.check.deferred import CHECK_NAME, deferred_counts, deferred_verdict
 from kvproxy.tools.check.gate import EngineVerdict, GateOptions, engine_row, iso_time, judge_engines
 from kvproxy.tools.check.record import SCHEMA, ReleaseRecord
@@ -231,6 +237,9 @@ async def run_cluster_gate(
         if opts.proxy and model:
             progress("[check] boundary probes at every cluster's limit ...")
             checks.extend(await cluster_boundary_probes(http, opts.proxy, results, model, opts))
+        if opts.unknown_probe:
+            # kvproxy answers capacity_unknown before it looks at the model.
+            checks.append(await unknown_probe(http, opts.unknown_probe, model or "default"))
     for r in results:
         for c in [*r.engines.checks, *extra[r.target.name]]:
             checks.append(Check(f"cluster {r.target.name}: {c.name}", c.passed, c.detail, c.data))
