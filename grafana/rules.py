@@ -238,8 +238,8 @@ GATEWAY_ALERTS: tuple[Alert, ...] = (
         "kvproxy {{ $labels.instance }} has no fresh capacity measurement for cluster "
         "{{ $labels.upstream }} of model {{ $labels.model }}. The cluster receives nothing "
         "(fail closed per cluster) and the others take its share; prompts that only it could "
-        "hold are refused with 400 context_length_exceeded. /capacity "
-        "(models.<model>.clusters.<cluster>) shows each engine's last error.",
+        "hold are refused with 400 context_length_exceeded. /capacity (clusters.<cluster>; "
+        "with several models, models.<model>.clusters.<cluster>) shows each engine's last error.",
         hold="2m",
     ),
     Alert(
