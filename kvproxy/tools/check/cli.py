@@ -135,8 +135,10 @@ def options_from(
     sims = sim_urls(args)
     sim = sims.get(None, sims.get(IMPLICIT_CLUSTER))
     if cluster is not None:
+        # A plain --sim URL stands for a model's only cluster, never for one of several.
+        lone = len(settings.clusters(spec)) == 1
         settings = settings.for_cluster(spec, cluster)
-        sim = sims.get(cluster.name, sim if len(settings.clusters(spec)) == 1 else None)
+        sim = sims.get(cluster.name, sim if lone else None)
     else:
         settings = settings.for_model(spec)
         if spec.upstreams:

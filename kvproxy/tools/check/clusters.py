@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
@@ -82,7 +82,7 @@ class ClusterResult:
             "limits": self.engines.limits,
             "safe_max_context_tokens": self.engines.safe_ctx,
             "posture": self.engines.posture,
-            "checks": [c.__dict__ for c in checks],
+            "checks": [asdict(c) for c in checks],
             "passed": not failed,
             "failed_checks": failed,
         }
