@@ -1,10 +1,10 @@
 """The kvproxy Grafana dashboard as data: rows of panels, each with its PromQL.
 
 Owns: what an on-call engineer sees, in order (at a glance, capacity, rejections,
-disconnects, isolation, proxy health), and the Grafana JSON for it (schema 39, Grafana 10.4+
-/ 11, a `datasource` variable and `job` / `instance` filters). Must never name a metric that
-`kvproxy/observe/metrics.py` does not define: tests compare every query against the registry and a
-live scrape.
+gateway clusters, disconnects, isolation, posture, proxy health), and the Grafana JSON for
+it (schema 39, Grafana 10.4+ / 11, a `datasource` variable and `job` / `instance` filters).
+Must never name a metric that `kvproxy/observe/metrics.py` does not define: tests compare
+every query against the registry and a live scrape.
 
 Counters that exist only after a fault (probe errors, canary violations, upstream errors)
 fall back to an explicit 0 series, so "nothing happened" reads as a flat zero rather than
@@ -13,6 +13,7 @@ fall back to an explicit 0 series, so "nothing happened" reads as a flat zero ra
 
 from __future__ import annotations
 
+from grafana.gateway_panels import GATEWAY
 from grafana.model import (
     RATE,
     RED_FROM_ONE,
@@ -627,4 +628,13 @@ HEALTH = Row(
     ),
 )
 
-ROWS: tuple[Row, ...] = (AT_A_GLANCE, CAPACITY, REJECTIONS, DISCONNECTS, ISOLATION, POSTURE, HEALTH)
+ROWS: tuple[Row, ...] = (
+    AT_A_GLANCE,
+    CAPACITY,
+    REJECTIONS,
+    GATEWAY,
+    DISCONNECTS,
+    ISOLATION,
+    POSTURE,
+    HEALTH,
+)

@@ -57,6 +57,12 @@ MODEL_LABELLED = frozenset({
     "kvproxy_prompt_tokens",
     "kvproxy_token_bound_exceeded_total",
     "kvproxy_unverified_features_total",
+    "kvproxy_routing_decisions_total",
+    "kvproxy_upstream_ejections_total",
+    "kvproxy_upstream_ejected",
+    "kvproxy_upstream_inflight_prompt_tokens",
+    "kvproxy_upstream_limit_tokens",
+    "kvproxy_upstream_capacity_known",
 })  # fmt: skip
 MODEL_FILTER = 'model=~"$model"'
 

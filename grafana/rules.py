@@ -52,7 +52,7 @@ class Alert:
         return rule
 
 
-ALERTS: tuple[Alert, ...] = (
+CORE_ALERTS: tuple[Alert, ...] = (
     Alert(
         "KvproxyCanaryViolation",
         # The second clause catches a tenant's first violation: its series is born at 1,
@@ -210,6 +210,81 @@ ALERTS: tuple[Alert, ...] = (
         "Failed transfers are where pages get freed or read while writes are in flight.",
     ),
 )
+
+
+# Gateway mode: the share of a model's requests refused because no measured cluster holds
+# them, and a floor so a handful of over-long prompts does not wake anyone (as above).
+FIT_NONE_SHARE = 0.05
+FIT_NONE_MIN_PER_S = 0.02
+# Only models served by several clusters: with one, a cluster's outage is the model's
+# (KvproxyCapacityUnknown) and an over-long prompt is the client's business.
+SEVERAL_CLUSTERS = "count by (job, instance, model) (kvproxy_upstream_capacity_known) > 1"
+FIT_NONE_RATE = (
+    "sum by (job, instance, model) (\n"
+    '    rate(kvproxy_rejections_total{reason="context_length"}[10m])\n'
+    "  )"
+)
+
+GATEWAY_ALERTS: tuple[Alert, ...] = (
+    Alert(
+        "KvproxyUpstreamUnmeasured",
+        "(\n"
+        "  max by (job, instance, model, upstream) (kvproxy_upstream_capacity_known) == 0\n"
+        ")\n"
+        "and on (job, instance, model)\n"
+        f"({SEVERAL_CLUSTERS})\n",
+        "warning",
+        "Cluster {{ $labels.upstream }} of model {{ $labels.model }} is not measured",
+        "kvproxy {{ $labels.instance }} has no fresh capacity measurement for cluster "
+        "{{ $labels.upstream }} of model {{ $labels.model }}. The cluster receives nothing "
+        "(fail closed per cluster) and the others take its share; prompts that only it could "
+        "hold are refused with 400 context_length_exceeded. /capacity (clusters.<cluster>; "
+        "with several models, models.<model>.clusters.<cluster>) shows each engine's last error.",
+        hold="2m",
+    ),
+    Alert(
+        "KvproxyUpstreamEjected",
+        # The fraction of scrapes it spent ejected: one back-off (10 s by default) is at
+        # most a sample or two of a 5-minute window; a router that keeps refusing or
+        # answering 5xx is re-ejected with a doubling back-off and stays near 1.
+        "avg_over_time(kvproxy_upstream_ejected[5m]) > 0.5\n"
+        "and on (job, instance, model)\n"
+        f"({SEVERAL_CLUSTERS})\n",
+        "warning",
+        "Cluster {{ $labels.upstream }} of model {{ $labels.model }} keeps being ejected",
+        "kvproxy {{ $labels.instance }} kept cluster {{ $labels.upstream }} of model "
+        "{{ $labels.model }} ejected for "
+        + "{{ $value | humanizePercentage }}"
+        + " of the last 5 minutes: its router refuses connections or answers 5xx. Requests "
+        "go to the other clusters that hold them; a prompt only this cluster holds still "
+        "tries it. Its engines may be measured fine: look at the router.",
+        hold="5m",
+    ),
+    Alert(
+        "KvproxyPromptsFitNoCluster",
+        "(\n"
+        f"  {FIT_NONE_RATE}\n"
+        "/\n"
+        "  sum by (job, instance, model) (rate(kvproxy_requests_total[10m]))\n"
+        f") > {FIT_NONE_SHARE}\n"
+        "and\n"
+        f"{FIT_NONE_RATE.replace(chr(10) + '  ', chr(10))} > {FIT_NONE_MIN_PER_S}\n"
+        "and on (job, instance, model)\n"
+        f"({SEVERAL_CLUSTERS})\n",
+        "warning",
+        "Prompts for model {{ $labels.model }} fit no measured cluster",
+        "{{ $value | humanizePercentage }} of the requests for model {{ $labels.model }} to "
+        "kvproxy {{ $labels.instance }} over the last 10 minutes were refused with 400 "
+        "context_length_exceeded: no measured cluster's limits hold them. If the cluster "
+        "with the largest pool is unmeasured (KvproxyUpstreamUnmeasured), its prompts are "
+        "being refused; else clients send prompts above the largest limit any cluster "
+        "offers (the Gateway row's cluster limits).",
+        hold="10m",
+    ),
+)
+
+# Every alert, in the order of the rules file (each has a RUNBOOK.md section and unit tests).
+ALERTS: tuple[Alert, ...] = (*CORE_ALERTS, *GATEWAY_ALERTS)
 
 
 def rules_document() -> dict[str, Any]:

@@ -36,6 +36,7 @@ from kvproxy.tokens.engine import (
     EngineTokenize,
     EngineTokenizer,
     EngineTokenizeRequest,
+    FailoverEngineTokenizer,
 )
 from kvproxy.tokens.fast import load_hf_counting
 from kvproxy.tokens.local import load_hf, load_tiktoken, release_load_garbage
@@ -131,8 +132,10 @@ def engine_kinds(settings: Settings) -> tuple[EngineKind, ...]:
     return ENGINE_KINDS
 
 
-def _engine_from_settings(settings: Settings, session: Any) -> EngineTokenizer:
-    # Prefill engines see every prompt; any sglang/vllm engine shares the model's tokenizer.
+def _engine_from_settings(settings: Settings, session: Any) -> FailoverEngineTokenizer:
+    # Prefill engines see every prompt; any sglang/vllm engine shares the model's tokenizer,
+    # so each of the first one's kind is a fallback when another cannot be reached (in
+    # gateway mode the engines are every cluster's: one cluster down must not stop counts).
     engines = sorted(
         (e for e in settings.engines if e.kind in ("sglang", "vllm")),
         key=lambda e: e.role == "decode",
@@ -141,8 +144,9 @@ def _engine_from_settings(settings: Settings, session: Any) -> EngineTokenizer:
         raise ValueError("engine counting needs an sglang or vllm engine in KVPROXY_ENGINES")
     if session is None:
         raise ValueError("engine counting needs an HTTP session")
-    e = engines[0]
-    return EngineTokenizer(session, e.url, "vllm" if e.kind == "vllm" else "sglang")
+    kind: EngineKind = "vllm" if engines[0].kind == "vllm" else "sglang"
+    urls = list(dict.fromkeys(e.url for e in engines if e.kind == kind))
+    return FailoverEngineTokenizer([EngineTokenizer(session, url, kind) for url in urls])
 
 
 __all__ = [

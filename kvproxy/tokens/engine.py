@@ -126,6 +126,47 @@ class EngineTokenizer:
         return parse_count(raw)
 
 
+class FailoverEngineTokenizer:
+    """The model's engines' `/tokenize`, one after another when an engine cannot be reached.
+
+    Any SGLang or vLLM engine of a model answers with the model's tokenizer, so the count does
+    not depend on which one answers. Asking only the first would make it a single point of
+    failure: in gateway mode the first engine belongs to one cluster, and with that cluster's
+    engines stopped every prompt that needs an exact count would get 503 while another
+    cluster serves. Only a connection failure (nothing answered) moves on; an engine that
+    answers with an error is the answer. The engine that answered last is asked first next
+    time, so a dead engine costs one failed connect, not one per request.
+    """
+
+    def __init__(self, engines: list[EngineTokenizer]) -> None:
+        if not engines:
+            raise ValueError("FailoverEngineTokenizer needs at least one engine")
+        self._engines = engines
+        self._first = 0
+        self.kind = engines[0].kind
+
+    @property
+    def accepts_messages(self) -> bool:
+        return self._engines[0].accepts_messages
+
+    def describe(self) -> str:
+        return ", then ".join(e.describe() for e in self._engines)
+
+    async def __call__(self, request: EngineTokenizeRequest) -> int:
+        n = len(self._engines)
+        for i in range(n):
+            index = (self._first + i) % n
+            try:
+                count = await self._engines[index](request)
+            except (aiohttp.ClientConnectionError, OSError):
+                if i == n - 1:
+                    raise
+                continue
+            self._first = index
+            return count
+        raise AssertionError("unreachable: the last failure is raised")  # pragma: no cover
+
+
 def parse_count(raw: bytes) -> int:
     """The `count` of a /tokenize reply, without parsing a multi-megabyte id list."""
     if len(raw) <= PARSE_REPLY_BYTES:

@@ -16,6 +16,7 @@ import yaml
 from deploytest import (
     CRD_SCHEMAS,
     DEPLOY,
+    GATEWAY_OVERLAYS,
     KUBERNETES_VERSION,
     Obj,
     all_containers,
@@ -42,6 +43,7 @@ def validate(obj: Obj) -> None:
 
 def test_there_is_something_to_render() -> None:
     assert {"sglang-pd", "vllm"} <= set(overlays())
+    assert {f"overlays/{o}" for o in GATEWAY_OVERLAYS} <= set(kustomizations())
     assert {"base", "monitoring", "release-gate"} <= set(kustomizations())
     assert {f"overlays/{o}/release-gate" for o in overlays()} <= set(kustomizations())
 
@@ -123,11 +125,29 @@ def test_strict_validation_is_not_vacuous() -> None:
         validate(monitor)
 
 
-def test_monitoring_targets_the_admin_port_of_the_router_pods() -> None:
+def selects(selector: Obj, labels: dict[str, str]) -> bool:
+    """A label selector's verdict on a Pod's labels (matchLabels and In/NotIn/Exists)."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        held = {
+            "In": labels.get(key) in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not held:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("rel", ["base", *(f"overlays/{o}" for o in GATEWAY_OVERLAYS)])
+def test_monitoring_targets_the_admin_port_of_every_kvproxy_pod(rel: str) -> None:
     objs = render("monitoring")
     monitor = find(objs, "PodMonitor")[0]
-    deployment = find(render("base"), "Deployment")[0]
+    deployment = find(render(rel), "Deployment")[0]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert selects(monitor["spec"]["selector"], pod_labels)
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["admin"]
     assert find(objs, "PrometheusRule"), "deploy/monitoring must ship the alert rules"

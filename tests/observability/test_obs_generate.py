@@ -11,7 +11,8 @@ from typing import Any
 import yaml
 from obs_support import REPO
 
-from grafana import dashboard, generate, rules
+from grafana import dashboard, gateway_panels, generate, rules
+from grafana.promql import metric_names
 from grafana.render import all_queries
 
 OUTPUTS = {
@@ -114,11 +115,33 @@ def test_rows_the_issue_asks_for_in_on_call_order() -> None:
         "At a glance",
         "Capacity",
         "Rejections",
+        "Gateway: upstream clusters",
         "Disconnects and deferred cancellation",
         "Isolation",
         "Engine posture",
         "Proxy health",
     ]
+
+
+def test_gateway_row_shows_each_cluster() -> None:
+    # Routing split, in-flight tokens, limits, ejections and measurement, per `upstream`.
+    row = gateway_panels.GATEWAY
+    by_metric: dict[str, list[str]] = {}
+    for panel in row.panels:
+        for query in panel.queries:
+            for name in metric_names(query.expr):
+                by_metric.setdefault(name, []).append(query.expr)
+    for metric in (
+        "kvproxy_routing_decisions_total",
+        "kvproxy_upstream_inflight_prompt_tokens",
+        "kvproxy_upstream_limit_tokens",
+        "kvproxy_upstream_ejections_total",
+        "kvproxy_upstream_ejected",
+        "kvproxy_upstream_capacity_known",
+    ):
+        assert metric in by_metric, f"the gateway row does not show {metric}"
+        assert all("upstream" in expr for expr in by_metric[metric]), metric
+    assert any(p.title == "Unmeasured clusters" and p.kind == "stat" for p in row.panels)
 
 
 def test_capacity_panel_draws_the_incident_gap() -> None:

@@ -68,3 +68,22 @@ def test_promtool_check_metrics_on_every_series() -> None:
     done = promtool("check", "metrics", stdin=exposition())
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "", done.stdout
+
+
+@needs_promtool
+def test_promtool_unit_tests_catch_gateway_alerts_on_a_lone_cluster(tmp_path: Path) -> None:
+    # The gateway alerts hold only for models with several clusters; counting a lone
+    # cluster (the single-upstream forms) must make the unit tests fail on each of them.
+    clause = "(kvproxy_upstream_capacity_known) > 1)"
+    text = RULES.read_text(encoding="utf-8")
+    assert text.count(clause) == 3
+    (tmp_path / "alerts.rules.yml").write_text(text.replace(clause, clause[:-3] + "0)"))
+    (tmp_path / "alerts.test.yml").write_text(UNIT_TESTS.read_text(encoding="utf-8"))
+    done = promtool("test", "rules", str(tmp_path / "alerts.test.yml"))
+    assert done.returncode != 0
+    for name in (
+        "KvproxyUpstreamUnmeasured",
+        "KvproxyUpstreamEjected",
+        "KvproxyPromptsFitNoCluster",
+    ):
+        assert f"alertname: {name}" in done.stdout + done.stderr

@@ -13,7 +13,7 @@ from tokenizer_files import package_data_dir, real_tokenizer_dir
 from kvproxy.config import ConfigError, EngineSpec, Settings
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import build_counter
-from kvproxy.tokens.engine import EngineTokenizer
+from kvproxy.tokens.engine import FailoverEngineTokenizer
 
 CHAT = orjson.dumps({"messages": [{"role": "user", "content": "Hello there, world"}]})
 
@@ -93,8 +93,10 @@ async def test_engine_mode_needs_an_engine_and_a_session() -> None:
         try:
             assert "127.0.0.1:2/tokenize" in c.describe()  # a prefill engine first
             engine = c._engine
-            assert isinstance(engine, EngineTokenizer)
+            # Every engine of the first one's kind, in turn when one cannot be reached.
+            assert isinstance(engine, FailoverEngineTokenizer)
             assert engine.kind == "sglang"
+            assert "127.0.0.1:1/" not in c.describe()  # the vLLM engine counts differently
         finally:
             await c.aclose()
 

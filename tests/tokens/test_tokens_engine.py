@@ -12,6 +12,7 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from ports import free_port
 
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt.parse import parse_request
@@ -20,6 +21,7 @@ from kvproxy.tokens.engine import (
     EngineTokenizeError,
     EngineTokenizer,
     EngineTokenizeRequest,
+    FailoverEngineTokenizer,
     parse_count,
 )
 from kvproxy.tokens.templates import ChatTemplate
@@ -138,6 +140,43 @@ async def test_engine_tokenizer_error_status(aiohttp_server: AiohttpServer) -> N
         sglang = EngineTokenizer(session, str(server.make_url("")), "sglang")
         with pytest.raises(EngineTokenizeError, match="HTTP 500"):
             await sglang(EngineTokenizeRequest(prompt="abc"))
+
+
+async def test_failover_asks_the_next_engine_when_one_cannot_be_reached(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    # Gateway mode: the first engine is one cluster's, stopped; the other cluster's answers.
+    server = await _tokenize_server(aiohttp_server)
+    live = str(server.make_url(""))
+    async with aiohttp.ClientSession() as session:
+        dead = EngineTokenizer(session, f"http://127.0.0.1:{free_port()}", "sglang")
+        both = FailoverEngineTokenizer([dead, EngineTokenizer(session, live, "sglang")])
+        assert await both(EngineTokenizeRequest(prompt="abcd")) == 4
+        assert await both(EngineTokenizeRequest(prompt="abcde")) == 5
+        lone = FailoverEngineTokenizer([dead])
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await lone(EngineTokenizeRequest(prompt="abc"))
+    assert server.app is not None
+    # The live engine answered last, so it is asked first: the dead one was tried once.
+    assert len(server.app[SEEN]) == 2
+
+
+async def test_failover_does_not_hide_an_engine_that_answered_an_error(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    failing = await _tokenize_server(aiohttp_server, status=500)
+    good = await _tokenize_server(aiohttp_server)
+    async with aiohttp.ClientSession() as session:
+        both = FailoverEngineTokenizer(
+            [
+                EngineTokenizer(session, str(failing.make_url("")), "sglang"),
+                EngineTokenizer(session, str(good.make_url("")), "sglang"),
+            ]
+        )
+        with pytest.raises(EngineTokenizeError, match="HTTP 500"):
+            await both(EngineTokenizeRequest(prompt="abc"))
+    assert good.app is not None
+    assert good.app[SEEN] == []
 
 
 @pytest.mark.parametrize("count_first", [True, False])

@@ -9,6 +9,9 @@ boundary probes request it by its configured name, the proxy limit compared with
 measurement is the one under its `model` label, and the record has a section per model
 (`--model NAME`, a name or an alias, gates that one alone). The deferral counts on the
 proxy's admin /metrics belong to the replica, not to a model: each section shows the same.
+A model with `upstreams` (gateway mode) gates each cluster on its own engines and the
+proxy's routing between them (kvproxy.tools.check.clusters), its record one section per
+cluster; `--sim CLUSTER=URL` gives each cluster's ground truth.
 
 Exit codes: 0 every check passed, 1 a check failed (cli.py maps ConfigError to 2).
 """
@@ -24,7 +27,15 @@ from typing import Any
 
 import orjson
 
-from kvproxy.config import ConfigError, ModelSpec, Settings, load_settings
+from kvproxy.config import (
+    IMPLICIT_CLUSTER,
+    ConfigError,
+    ModelSpec,
+    Settings,
+    UpstreamCluster,
+    load_settings,
+)
+from kvproxy.tools.check.clusters import ClusterTarget, run_cluster_gate
 from kvproxy.tools.check.gate import GateOptions, run_gate
 from kvproxy.tools.check.record import (
     ReleaseRecord,
@@ -41,7 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, help="declared context (KVPROXY_MAX_CONTEXT)")
     p.add_argument("--proxy", help="kvproxy public URL: run boundary probes through it")
     p.add_argument("--proxy-admin", help="kvproxy admin URL: read its limit and deferral counts")
-    p.add_argument("--sim", help="simulator router URL: ground truth for the probes")
+    p.add_argument(
+        "--sim",
+        action="append",
+        metavar="[CLUSTER=]URL",
+        help="simulator router URL: ground truth for the probes; with a gateway config "
+        "(`upstreams`), CLUSTER=URL once per cluster",
+    )
     p.add_argument("--canary", action="store_true", help="run the isolation scenarios too")
     p.add_argument(
         "--canary-allow-partial",
@@ -87,17 +104,48 @@ def gate_settings(args: argparse.Namespace) -> Settings:
     return load_settings(config_path=args.config, overrides=overrides)
 
 
+def sim_urls(args: argparse.Namespace) -> dict[str | None, str]:
+    """--sim values: a plain URL (key None) or CLUSTER=URL (ConfigError: one line)."""
+    found: dict[str | None, str] = {}
+    for value in args.sim or ():
+        name, sep, url = value.partition("=")
+        key = name if sep and not name.startswith(("http://", "https://")) else None
+        url = url if key is not None else value
+        if key in found:
+            raise ConfigError(f"invalid setting sim (--sim): {key or 'a URL'} given twice")
+        found[key] = url.rstrip("/")
+    return found
+
+
 def options_from(
-    args: argparse.Namespace, settings: Settings | None = None, spec: ModelSpec | None = None
+    args: argparse.Namespace,
+    settings: Settings | None = None,
+    spec: ModelSpec | None = None,
+    cluster: UpstreamCluster | None = None,
 ) -> GateOptions:
-    """The gate's options for one model (`spec`; default the single-model form's)."""
+    """The gate's options for one model (`spec`; default the single-model form's), or for
+    one of its upstream clusters (`cluster`, gateway mode: that cluster's engines and
+    ground truth)."""
     settings = settings or gate_settings(args)
     named = spec is not None and bool(settings.models)
     if spec is None:
         if settings.models:
             raise ConfigError("invalid setting engines (--engines / KVPROXY_ENGINES): none given")
         spec = settings.model_table()[0]
-    settings = settings.for_model(spec)
+    sims = sim_urls(args)
+    sim = sims.get(None, sims.get(IMPLICIT_CLUSTER))
+    if cluster is not None:
+        # A plain --sim URL stands for a model's only cluster, never for one of several.
+        lone = len(settings.clusters(spec)) == 1
+        settings = settings.for_cluster(spec, cluster)
+        sim = sims.get(cluster.name, sim if lone else None)
+    else:
+        settings = settings.for_model(spec)
+        if spec.upstreams:
+            # The model's options in gateway mode: its engines are its clusters'.
+            settings = settings.model_copy(
+                update={"engines": tuple(e for c in spec.upstreams for e in c.engines)}
+            )
     if not settings.engines:
         raise ConfigError("invalid setting engines (--engines / KVPROXY_ENGINES): none given")
 
@@ -111,7 +159,7 @@ def options_from(
         capacity_fallback_limit_tokens=settings.capacity_fallback_limit_tokens,
         proxy=strip(args.proxy),
         proxy_admin=strip(args.proxy_admin),
-        sim=strip(args.sim),
+        sim=sim,
         canary=args.canary,
         unknown_probe=strip(args.unknown_probe),
         out=Path(args.out) if args.out else None,
@@ -139,22 +187,54 @@ def selected_models(settings: Settings, wanted: str | None) -> tuple[ModelSpec, 
     raise ConfigError(f"invalid setting model (--model): {wanted!r} is not configured ({names})")
 
 
+def cluster_targets(
+    args: argparse.Namespace, settings: Settings, spec: ModelSpec
+) -> list[ClusterTarget]:
+    """A gateway model's clusters, each with the gate's options for its own engines."""
+    return [
+        ClusterTarget(c.name, c.url, c.weight, options_from(args, settings, spec, c))
+        for c in settings.clusters(spec)
+    ]
+
+
+def check_sims(args: argparse.Namespace, settings: Settings) -> None:
+    """--sim CLUSTER=URL must name a configured cluster; a plain URL is ambiguous with
+    several clusters (ConfigError: one line, before any probe)."""
+    sims = sim_urls(args)
+    clusters = {c.name for spec in settings.model_table() for c in settings.clusters(spec)}
+    gateway = any(spec.upstreams for spec in settings.model_table())
+    unknown = sorted(k for k in sims if k is not None and k not in clusters)
+    if unknown:
+        names = ", ".join(sorted(clusters))
+        raise ConfigError(f"invalid setting sim (--sim): no cluster {unknown[0]!r} ({names})")
+    if gateway and None in sims and len(clusters) > 1:
+        raise ConfigError("invalid setting sim (--sim): give CLUSTER=URL for each cluster")
+
+
 async def gate_models(
     args: argparse.Namespace, settings: Settings, progress: Any = print
 ) -> list[tuple[str, ReleaseRecord]]:
-    """One gate per selected model, one after another."""
+    """One gate per selected model, one after another; a model with `upstreams` gates each
+    of its clusters and the routing between them (kvproxy.tools.check.clusters)."""
     records = []
     for spec in selected_models(settings, args.model):
         if settings.models:
             progress(f"[check] model {spec.name}")
-        records.append((spec.name, await run_gate(options_from(args, settings, spec), progress)))
+        opts = options_from(args, settings, spec)
+        if spec.upstreams:
+            record = await run_cluster_gate(opts, cluster_targets(args, settings, spec), progress)
+        else:
+            record = await run_gate(opts, progress)
+        records.append((spec.name, record))
     return records
 
 
 def run_check(args: argparse.Namespace) -> int:
     settings = gate_settings(args)
-    # Refused before any probe: a bad --engines or config names itself first.
-    options_from(args, settings, selected_models(settings, args.model)[0])
+    # Refused before any probe: a bad --engines, --sim or config names itself first.
+    check_sims(args, settings)
+    for spec in selected_models(settings, args.model):
+        options_from(args, settings, spec)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

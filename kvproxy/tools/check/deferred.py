@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvproxy.observe import IMPLICIT_UPSTREAM
 from kvproxy.policy import DEFERRED_OUTCOMES, UpstreamFailure
 from kvproxy.upstream import network_boundary
 
@@ -37,8 +38,9 @@ class DeferredVerdict:
 async def deferred_counts(
     http: aiohttp.ClientSession, admin: str, model: str | None = None
 ) -> dict[str, Any] | None:
-    """The proxy's deferral counts by outcome and its admission limit, from admin /metrics;
-    None when the admin endpoint cannot be read. `model` picks one configured model's limit
+    """The proxy's deferral counts by outcome (summed over its upstream clusters, and per
+    cluster in gateway mode) and its admission limits, from admin /metrics; None when the
+    admin endpoint cannot be read. `model` picks one configured model's limit
     (its `model` label) on a proxy that serves several; the deferrals are the replica's."""
     try:
         with network_boundary():
@@ -47,24 +49,40 @@ async def deferred_counts(
     except UpstreamFailure:
         return None
     counts: dict[str, float] = dict.fromkeys(DEFERRED_OUTCOMES, 0.0)
+    by_upstream: dict[str, dict[str, float]] = {}
     limit = None
+    cluster_limits: dict[str, int] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "kvproxy_deferred_cancellations_total":
-                # Summed over the `upstream` label: the replica's deferrals, every cluster's.
+                # One series per outcome and upstream cluster: the replica's count is the sum.
                 outcome = s.labels.get("outcome", "")
                 counts[outcome] = counts.get(outcome, 0.0) + s.value
+                upstream = s.labels.get("upstream")
+                if upstream is not None:
+                    mine = by_upstream.setdefault(upstream, dict.fromkeys(DEFERRED_OUTCOMES, 0.0))
+                    mine[outcome] = mine.get(outcome, 0.0) + s.value
             elif s.name == "kvproxy_admission_limit_tokens" and (
                 model is None or s.labels.get("model") == model
             ):
                 limit = int(s.value)
+            elif s.name == "kvproxy_upstream_limit_tokens" and (
+                model is None or s.labels.get("model") == model
+            ):
+                cluster_limits[s.labels.get("upstream", "")] = int(s.value)
     unconfirmed = int(sum(counts.get(o, 0) for o in UNCONFIRMED_OUTCOMES))
-    return {
+    found: dict[str, Any] = {
         "by_outcome": counts,
         "timeouts_flagged": unconfirmed > 0,
         "unconfirmed": unconfirmed,
         "proxy_admission_limit_tokens": limit,
     }
+    # Gateway mode: each cluster's deferrals and published limit (kvproxy_upstream_*).
+    if set(by_upstream) - {IMPLICIT_UPSTREAM}:
+        found["by_upstream"] = by_upstream
+    if cluster_limits:
+        found["proxy_upstream_limit_tokens"] = cluster_limits
+    return found
 
 
 def deferred_verdict(deferred: dict[str, Any], accept_drain_timeouts: bool) -> DeferredVerdict:

@@ -100,7 +100,7 @@ class GateOptions:
     limit_model: str | None = None
 
 
-def _iso(ts: float) -> str:
+def iso_time(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
@@ -174,36 +174,62 @@ def engine_row(spec: EngineSpec, m: EngineMeasurement | ProbeError) -> dict[str,
     return row
 
 
+@dataclass
+class EngineVerdict:
+    """What the gate found about one set of engines (a model's, or one cluster's): the
+    measurements, the checks on them, their posture and the limits the proxy would enforce."""
+
+    measured: list[tuple[EngineSpec, EngineMeasurement | ProbeError]]
+    checks: list[Check]
+    posture: dict[str, Any]
+    # The limits the proxy would enforce (kvproxy.capacity.limits_for), as the record shows.
+    limits: dict[str, Any]
+    admission_limit_tokens: int | None
+    # What the measured engines alone can take (no declared context, margin or unmeasured).
+    safe_ctx: int | None
+
+    @property
+    def ok(self) -> list[EngineMeasurement]:
+        return [m for _, m in self.measured if isinstance(m, EngineMeasurement)]
+
+
+async def judge_engines(http: aiohttp.ClientSession, opts: GateOptions) -> EngineVerdict:
+    """Measure `opts.engines`, check each and their posture, derive the proxy's limits."""
+    checks: list[Check] = []
+    measured = await measure(http, opts.engines)
+    ok_m = [m for _, m in measured if isinstance(m, EngineMeasurement)]
+    for spec, m in measured:
+        if isinstance(m, ProbeError):
+            checks.append(Check(f"measure {spec.label}", False, f"probe failed: {m}"))
+        else:
+            checks.append(
+                Check(
+                    f"measure {m.engine}",
+                    True,
+                    f"{m.role} input limit {m.input_limit_tokens:,} ({m.input_limit_source})",
+                )
+            )
+    ok, detail, posture = posture_check(measured, opts.advisories_file, opts.accept_advisories)
+    checks.append(Check(POSTURE_CHECK, ok, detail, {"blocking": posture["blocking"]}))
+    # What the proxy would enforce with these measurements: an engine the gate could
+    # not measure is unknown to it too (fail closed, or the configured fallback).
+    unmeasured = {spec.label: spec.role for spec, m in measured if isinstance(m, ProbeError)}
+    limits = limits_for(opts, ok_m, unmeasured)
+    safe_ctx = limits.measured_limit_tokens
+    if opts.max_context is not None and safe_ctx is not None:
+        checks.append(declared_context_check(opts.max_context, ok_m, safe_ctx, limits.measured_why))
+    return EngineVerdict(
+        measured, checks, posture, limits.to_json(), limits.admission_limit_tokens, safe_ctx
+    )
+
+
 async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
     started = time.time()
-    checks: list[Check] = []
     async with aiohttp.ClientSession() as http:
-        measured = await measure(http, opts.engines)
-        ok_m = [m for _, m in measured if isinstance(m, EngineMeasurement)]
-        for spec, m in measured:
-            if isinstance(m, ProbeError):
-                checks.append(Check(f"measure {spec.label}", False, f"probe failed: {m}"))
-            else:
-                checks.append(
-                    Check(
-                        f"measure {m.engine}",
-                        True,
-                        f"{m.role} input limit {m.input_limit_tokens:,} ({m.input_limit_source})",
-                    )
-                )
-        ok, detail, posture = posture_check(measured, opts.advisories_file, opts.accept_advisories)
-        checks.append(Check(POSTURE_CHECK, ok, detail, {"blocking": posture["blocking"]}))
-        # What the proxy would enforce with these measurements: an engine the gate could
-        # not measure is unknown to it too (fail closed, or the configured fallback).
-        unmeasured = {spec.label: spec.role for spec, m in measured if isinstance(m, ProbeError)}
-        limits = limits_for(opts, ok_m, unmeasured)
-        # The safe value ignores the declared context, the margin and the unmeasured:
-        # what the measured engines alone can take.
-        safe_ctx = limits.measured_limit_tokens
-        if opts.max_context is not None and safe_ctx is not None:
-            checks.append(
-                declared_context_check(opts.max_context, ok_m, safe_ctx, limits.measured_why)
-            )
+        engines = await judge_engines(http, opts)
+        measured, ok_m, checks = engines.measured, engines.ok, engines.checks
+        posture, safe_ctx = engines.posture, engines.safe_ctx
+        admission_limit = engines.admission_limit_tokens
         deferred = None
         if opts.proxy_admin:
             deferred = await deferred_counts(http, opts.proxy_admin, opts.limit_model)
@@ -220,7 +246,7 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                 checks.append(Check("model", False, str(exc)))
                 model = ""
         if opts.proxy and model:
-            probe_limit = limits.admission_limit_tokens
+            probe_limit = admission_limit
             proxy_limit = deferred.get("proxy_admission_limit_tokens") if deferred else None
             if proxy_limit:
                 checks.append(
@@ -263,7 +289,7 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                         (e.url.rstrip("/") for e in opts.engines if e.role != "decode"), None
                     ),
                     proxy_admin=opts.proxy_admin,
-                    limit=limits.admission_limit_tokens,
+                    limit=admission_limit,
                     model=model,
                     probe_kind=opts.probe_kind,
                     allow_partial=opts.canary_allow_partial,
@@ -280,12 +306,12 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
     return ReleaseRecord(
         schema=SCHEMA,
         kvproxy_version=__version__,
-        started_at=_iso(started),
-        finished_at=_iso(time.time()),
+        started_at=iso_time(started),
+        finished_at=iso_time(time.time()),
         host=socket.gethostname(),
         declared_context_tokens=opts.max_context,
         engines=[engine_row(s, m) for s, m in measured],
-        limits=limits.to_json(),
+        limits=engines.limits,
         safe_max_context_tokens=safe_ctx,
         checks=checks,
         deferred_cancellations=deferred,

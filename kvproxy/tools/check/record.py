@@ -36,15 +36,23 @@ class ReleaseRecord:
     passed: bool
     failed_checks: list[str]
     posture: dict[str, Any] | None = None
+    # Gateway mode: one section per upstream cluster of the model (its engines, limits,
+    # posture, checks and verdict); absent from the single-cluster forms' record.
+    clusters: dict[str, dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.clusters is None:
+            del data["clusters"]
+        return data
 
 
 def engine_table(record: ReleaseRecord) -> list[str]:
     head = ("engine", "role", "pool", "input limit", "source field", "page", "warnings")
     rows = [head]
     for e in record.engines:
+        if "cluster" in e:
+            e = {**e, "engine": f"{e['cluster']}: {e['engine']}"}
         if "error" in e:
             rows.append(
                 (
@@ -93,6 +101,8 @@ def markdown(record: ReleaseRecord) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for e in record.engines:
+        if "cluster" in e:
+            e = {**e, "engine": f"{e['cluster']}: {e['engine']}"}
         if "error" in e:
             lines.append(
                 f"| {e['engine']} | {e['url']} | {e['role']} | - | - | "
@@ -105,10 +115,16 @@ def markdown(record: ReleaseRecord) -> str:
                 f"{e['sources']['input_limit_tokens']} | {e.get('page_size') or '-'} | "
                 f"{', '.join(e.get('warnings') or []) or '-'} |"
             )
+    lines += cluster_markdown(record.clusters)
     lines += ["", "## Checks", "", "| check | result | detail |", "|---|---|---|"]
     for c in record.checks:
         lines.append(f"| {c.name} | {'PASS' if c.passed else 'FAIL'} | {c.detail} |")
     lines += posture_markdown(record.posture)
+    for name, section in (record.clusters or {}).items():
+        lines += [
+            line.replace("## Engine posture", f"## Engine posture, cluster `{name}`")
+            for line in posture_markdown(section["posture"])
+        ]
     if record.isolation:
         lines += ["", "## Isolation evidence", ""]
         for sc in record.isolation["scenarios"]:
@@ -128,6 +144,30 @@ def markdown(record: ReleaseRecord) -> str:
     if record.failed_checks:
         lines += ["", "## Failed", ""] + [f"- {n}" for n in record.failed_checks]
     return "\n".join(lines) + "\n"
+
+
+def cluster_markdown(clusters: dict[str, dict[str, Any]] | None) -> list[str]:
+    """The "Clusters" section of a gateway model's record: each cluster's router, weight,
+    limits and verdict (its engines are in the engine table, its checks prefixed by name)."""
+    if not clusters:
+        return []
+    lines = [
+        "",
+        "## Clusters (gateway mode: each measured and gated on its own)",
+        "",
+        "| cluster | router | weight | admission limit | decode limit | result | failed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, c in clusters.items():
+        limit = c["limits"].get("admission_limit_tokens")
+        decode = c["limits"].get("decode_limit_tokens")
+        lines.append(
+            f"| {name} | {c['url']} | {c['weight']:g} | "
+            f"{f'{limit:,}' if limit is not None else 'unknown'} | "
+            f"{f'{decode:,}' if decode is not None else '-'} | "
+            f"{'PASS' if c['passed'] else 'FAIL'} | {', '.join(c['failed_checks']) or '-'} |"
+        )
+    return lines
 
 
 def write_record(record: ReleaseRecord, out: Path) -> tuple[Path, Path]:
