@@ -109,6 +109,16 @@ class Settings(ModelFields, BaseSettings):
     upstream_max_head_bytes: int = Field(default=60 * 1024, ge=1024)
     upstream_max_headers: int = Field(default=100, ge=1)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # Overload shedding (kvproxy.serve.overload), both answered 503 `overloaded`. Public
+    # connections open at once; 0 derives it from the soft fd limit (an upstream connection
+    # per public one, 64 descriptors kept for the rest).
+    max_connections: int = Field(default=0, ge=0)
+    # Bytes of request bodies being read or counted at once (counting multiplies a body's
+    # memory: JSON, the rendered chat, the tokenizer's encoding). At least max_body_bytes;
+    # 48 MiB is one largest body and room for 4 MB prompts to be counted 4 at a time.
+    max_body_memory_bytes: int = Field(default=48 * MIB, ge=1024)
+    # How long a body waits for room before its 503 (queued, first come first served).
+    body_memory_wait_s: float = Field(default=5.0, ge=0)
 
     # --- capacity (the engines and declared context: ModelFields) -------------------------
     capacity_refresh_s: float = Field(default=10.0, gt=0)
@@ -229,6 +239,10 @@ class Settings(ModelFields, BaseSettings):
     def _coherent(self) -> Settings:
         if self.capacity_stale_s < self.capacity_refresh_s:
             raise ValueError("capacity_stale_s must be >= capacity_refresh_s")
+        if self.max_body_memory_bytes < self.max_body_bytes:
+            raise ValueError(
+                "max_body_memory_bytes must be >= max_body_bytes (a largest body must fit)"
+            )
         if self.budget_backend == "redis" and self.redis_url is None:
             raise ValueError("budget_backend redis needs redis_url")
         from kvproxy.posture import load_table  # pure: imports nothing of config
