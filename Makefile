@@ -19,7 +19,7 @@ APT_PKGS := prometheus wrk nginx-light curl redis-server
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE   ?= localhost/kvproxy:$(VERSION)
 
-.PHONY: run test test-slow lint fmt sysdeps smg image dashboard bench bench-peers check-record clean
+.PHONY: run test test-slow test-faults faultdeps lint fmt sysdeps smg image dashboard bench bench-peers check-record clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,6 +56,22 @@ sysdeps:
 	  else echo "not root: tests needing$$missing will be skipped"; fi; \
 	fi
 
+# What the fault suite needs besides sysdeps: `ip` (iproute2), `iptables`, `ss`, `prlimit`
+# (util-linux). Installed only when missing and when root (the suite needs root anyway).
+faultdeps:
+	@missing=""; \
+	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	command -v ss >/dev/null || missing="$$missing iproute2"; \
+	command -v iptables >/dev/null || missing="$$missing iptables"; \
+	command -v prlimit >/dev/null || missing="$$missing util-linux"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "not root: the fault suite will be skipped"; fi; \
+	fi
+
 run: $(STAMP)
 	$(VENV)/bin/kvproxy demo
 
@@ -78,6 +94,13 @@ test: $(STAMP) sysdeps
 # test at a time: it holds the timing-sensitive end-to-end cases.
 test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
 	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow"
+
+# Faults below HTTP (tests/faults/): network namespaces and veth pairs, iptables blackholes
+# and resets, SIGKILL/SIGTERM, fd and body-memory exhaustion, against the simulator and smg
+# 1.13; as root, one lab per machine at a time. Prints the report and writes bench/FAULTS.md.
+# Collected only here (KVPROXY_FAULTS=1): the fast and slow suites never start it.
+test-faults: $(STAMP) $(SMG_STAMP) sysdeps faultdeps
+	KVPROXY_FAULTS=1 $(PYTEST) $(PYTEST_ARGS) tests/faults
 
 # deploy/Dockerfile built with podman; the base is made from Debian's archive when no image
 # registry is reachable (deploy/image/build.sh says how, and installs podman when root).

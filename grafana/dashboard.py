@@ -606,6 +606,44 @@ HEALTH = Row(
             unit="none",
         ),
         Panel(
+            "Overload shed (/s)",
+            "timeseries",
+            "Requests answered 503 overloaded, or connections dropped at accept, by the "
+            "resource that ran out (connections: the fd-derived connection limit; body_memory: "
+            "bytes of bodies being read or counted). Sustained shedding: add replicas or raise "
+            "the Pod's fd and memory limits (docs/operating.md, Faults).",
+            (
+                Query(
+                    zero_if_absent(
+                        f"sum by (resource, action) "
+                        f"(rate({sel('kvproxy_overload_shed_total')}[{RATE}]))",
+                        "resource",
+                    ),
+                    "{{resource}} {{action}}",
+                ),
+            ),
+            unit="reqps",
+        ),
+        Panel(
+            "Overload headroom",
+            "timeseries",
+            "Public connections and bytes of request bodies being read or counted, each as a "
+            "share of its limit: at 1 new work is shed with 503 overloaded.",
+            (
+                Query(
+                    f"max by (instance) ({sel('kvproxy_public_connections')} / "
+                    f"{sel('kvproxy_public_connections_limit')})",
+                    "connections {{instance}}",
+                ),
+                Query(
+                    f"max by (instance) ({sel('kvproxy_body_memory_bytes')} / "
+                    f"{sel('kvproxy_body_memory_limit_bytes')})",
+                    "body memory {{instance}}",
+                ),
+            ),
+            unit="percentunit",
+        ),
+        Panel(
             "Error responses by status (/s), upstream errors by outcome",
             "timeseries",
             "4xx/5xx sent to clients (400 includes kvproxy's rejections) and upstream "

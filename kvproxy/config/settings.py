@@ -122,6 +122,16 @@ class Settings(ModelFields, BaseSettings):
     # hashing: a conversation keeps its prefix cache); a models entry may name its own.
     affinity_header: str | None = Field(default=None, pattern=HEADER_NAME_PATTERN)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # Overload shedding (kvproxy.serve.overload), both answered 503 `overloaded`. Public
+    # connections open at once; 0 derives it from the soft fd limit (an upstream connection
+    # per public one, 64 descriptors kept for the rest).
+    max_connections: int = Field(default=0, ge=0)
+    # Bytes of request bodies being read or counted at once (counting multiplies a body's
+    # memory: JSON, the rendered chat, the tokenizer's encoding). At least max_body_bytes;
+    # 48 MiB is one largest body and room for 4 MB prompts to be counted 4 at a time.
+    max_body_memory_bytes: int = Field(default=48 * MIB, ge=1024)
+    # How long a body waits for room before its 503 (queued, first come first served).
+    body_memory_wait_s: float = Field(default=5.0, ge=0)
 
     # --- capacity (the engines and declared context: ModelFields) -------------------------
     capacity_refresh_s: float = Field(default=10.0, gt=0)
@@ -246,6 +256,10 @@ class Settings(ModelFields, BaseSettings):
             raise ValueError("upstream_eject_max_s must be >= upstream_eject_s")
         if self.upstreams and "upstream" in self.model_fields_set:
             raise ValueError("upstream cannot be set next to upstreams: each cluster has its url")
+        if self.max_body_memory_bytes < self.max_body_bytes:
+            raise ValueError(
+                "max_body_memory_bytes must be >= max_body_bytes (a largest body must fit)"
+            )
         if self.budget_backend == "redis" and self.redis_url is None:
             raise ValueError("budget_backend redis needs redis_url")
         from kvproxy.posture import load_table  # pure: imports nothing of config

@@ -136,6 +136,34 @@ class Metrics:
             "Requests currently being handled, deferred cancellations included.",
             registry=r,
         )
+        # Overload shedding (kvproxy.serve.overload).
+        self.overload_shed = Counter(
+            "kvproxy_overload_shed_total",
+            "Requests or connections shed at the door (503 overloaded, or a connection dropped "
+            "at accept), by the resource that ran out and the action.",
+            ["resource", "action"],
+            registry=r,
+        )
+        self.public_connections = Gauge(
+            "kvproxy_public_connections",
+            "Public (client) connections open now.",
+            registry=r,
+        )
+        self.public_connections_limit = Gauge(
+            "kvproxy_public_connections_limit",
+            "Public connections served at once; more are answered 503 overloaded.",
+            registry=r,
+        )
+        self.body_memory_bytes = Gauge(
+            "kvproxy_body_memory_bytes",
+            "Bytes of request bodies being read or counted now (reserved).",
+            registry=r,
+        )
+        self.body_memory_limit_bytes = Gauge(
+            "kvproxy_body_memory_limit_bytes",
+            "Bytes of request bodies that may be read or counted at once.",
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "kvproxy_upstream_errors_total",
             "Upstream failures, by kvproxy outcome.",

@@ -20,6 +20,15 @@ points, after the client left, are:
                                    grace period of a shutdown over -> shutdown
     non-streaming or until=completion: only EOF, error, timeout or shutdown.
 
+An upstream that goes silent for the read timeout (`UpstreamSilent`) while its client is
+still there and no safe point was reached is held the same way: the decision `Hold` has the
+relay answer the client with the timeout error now and keep the upstream open, as if the
+client had left at that moment, until one of the safe points above (a blackholed router
+that comes back delivers its token; one that does not is closed at the drain deadline and
+counted as `timeout`). Closing it at once would cancel a transfer that may still be writing
+(the fault suite saw it: tests/faults/). After a token in first_token mode the transfer is
+over and silence simply fails the request (in either mode).
+
 The machine is its table, as h11's is (`_state.py`): `TRANSITIONS[mode][(client, upstream)]
 [event]` gives the next state and the decision, and `handle` does nothing but classify the
 event, look it up and apply the row. A missing row is a caller bug and raises
@@ -84,6 +93,13 @@ class ClientGone:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamSilent:
+    """No byte from the upstream for the read timeout (the connection is still open)."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class Deadline:
     now: float
 
@@ -94,7 +110,14 @@ class Shutdown:
 
 
 Event: TypeAlias = (
-    UpstreamHeaders | UpstreamChunk | UpstreamEOF | UpstreamError | ClientGone | Deadline | Shutdown
+    UpstreamHeaders
+    | UpstreamChunk
+    | UpstreamEOF
+    | UpstreamError
+    | UpstreamSilent
+    | ClientGone
+    | Deadline
+    | Shutdown
 )
 
 
@@ -125,15 +148,22 @@ class CloseUpstream:
 
 
 @dataclass(frozen=True, slots=True)
+class Hold:
+    """The upstream went silent before a safe point: answer the client with the timeout
+    error now, and keep the upstream open and read as a deferred cancellation."""
+
+
+@dataclass(frozen=True, slots=True)
 class NoOp:
     """The event changes nothing (the upstream is already closed)."""
 
 
-Decision: TypeAlias = Forward | Discard | KeepReading | CloseUpstream | NoOp
+Decision: TypeAlias = Forward | Discard | KeepReading | Hold | CloseUpstream | NoOp
 
 FORWARD = Forward()
 DISCARD = Discard()
 KEEP_READING = KeepReading()
+HOLD = Hold()
 NO_OP = NoOp()
 CLOSE = CloseUpstream(None)
 _CLOSE_AS: dict[Outcome, CloseUpstream] = {o: CloseUpstream(o) for o in DEFERRED_OUTCOMES}
@@ -163,6 +193,7 @@ class On(Enum):
     TOKEN = "UpstreamChunk(token)"
     EOF = "UpstreamEOF"
     ERROR = "UpstreamError"
+    SILENT = "UpstreamSilent"
     CLIENT_GONE = "ClientGone"
     DEADLINE = "Deadline"
     DEADLINE_EARLY = "Deadline(early)"
@@ -196,6 +227,7 @@ def _gone_rows(up: Up, chunk: Row, token: Row, eof: Row | None) -> dict[On, Row]
         On.DEADLINE: ((G, CLOSED), _CLOSE_AS["timeout"]),
         On.DEADLINE_EARLY: ((G, up), KEEP_READING),  # re-arm at the deadline
         On.SHUTDOWN: ((G, CLOSED), _CLOSE_AS["shutdown"]),
+        On.SILENT: ((G, up), KEEP_READING),  # the drain deadline bounds the wait
     }
     if up is AWAIT:
         rows[On.HEADERS] = ((G, BEFORE), KEEP_READING)
@@ -214,6 +246,7 @@ _COMPLETION_ROWS: dict[State, dict[On, Row]] = {
         On.HEADERS: ((P, BEFORE), FORWARD),
         On.ERROR: ((P, CLOSED), CLOSE),
         On.CLIENT_GONE: ((G, AWAIT), KEEP_READING),
+        On.SILENT: ((G, AWAIT), HOLD),
         On.SHUTDOWN: ((P, CLOSED), CLOSE),
     },
     (P, BEFORE): {
@@ -222,6 +255,7 @@ _COMPLETION_ROWS: dict[State, dict[On, Row]] = {
         On.EOF: ((P, CLOSED), CLOSE),
         On.ERROR: ((P, CLOSED), CLOSE),
         On.CLIENT_GONE: ((G, BEFORE), KEEP_READING),
+        On.SILENT: ((G, BEFORE), HOLD),
         On.SHUTDOWN: ((P, CLOSED), CLOSE),
     },
     (P, STREAM): {
@@ -230,6 +264,8 @@ _COMPLETION_ROWS: dict[State, dict[On, Row]] = {
         On.EOF: ((P, CLOSED), CLOSE),
         On.ERROR: ((P, CLOSED), CLOSE),
         On.CLIENT_GONE: ((G, STREAM), KEEP_READING),
+        # A token was relayed: the transfer is over, silence just fails the request.
+        On.SILENT: ((P, CLOSED), CLOSE),
         On.SHUTDOWN: ((P, CLOSED), CLOSE),
     },
     (P, CLOSED): {
@@ -238,6 +274,7 @@ _COMPLETION_ROWS: dict[State, dict[On, Row]] = {
         On.DEADLINE: ((P, CLOSED), NO_OP),  # a timer that lost the race with the close
         On.DEADLINE_EARLY: ((P, CLOSED), NO_OP),
         On.SHUTDOWN: ((P, CLOSED), NO_OP),
+        On.SILENT: ((P, CLOSED), NO_OP),
     },
     (G, AWAIT): _gone_rows(AWAIT, ((G, AWAIT), DISCARD), ((G, AWAIT), DISCARD), None),
     (G, BEFORE): _gone_rows(BEFORE, ((G, BEFORE), DISCARD), ((G, STREAM), DISCARD), _COMPLETED),
@@ -246,6 +283,7 @@ _COMPLETION_ROWS: dict[State, dict[On, Row]] = {
         On.DEADLINE: ((G, CLOSED), NO_OP),
         On.DEADLINE_EARLY: ((G, CLOSED), NO_OP),
         On.SHUTDOWN: ((G, CLOSED), NO_OP),
+        On.SILENT: ((G, CLOSED), NO_OP),
     },
 }
 # Streaming until the first token: a generated token ends the drain (decode holds the KV),
@@ -290,6 +328,7 @@ class DrainMachine:
         self._phase: Phase | None = None
         self._outcome: Outcome | None = None
         self._was_deferred = False
+        self._held = False
         self.discarded_chunks = 0
         self.discarded_token_chunks = 0
 
@@ -316,6 +355,11 @@ class DrainMachine:
     def deferred(self) -> bool:
         """The client has gone and the upstream is still open: a drain is under way."""
         return self._client is Client.GONE and self._up is not Up.CLOSED
+
+    @property
+    def held(self) -> bool:
+        """The upstream went silent and is held for a client that was answered (`Hold`)."""
+        return self._held
 
     @property
     def was_deferred(self) -> bool:
@@ -363,6 +407,12 @@ class DrainMachine:
             self._gone_at = event.now
             self._phase = _PHASE[self._up if self._up is not Up.CLOSED else self._up_reached]
             self._was_deferred = up is not Up.CLOSED
+        elif isinstance(decision, Hold):
+            # The client is answered now; the drain runs from here (no disconnect phase:
+            # the client did not leave).
+            self._gone_at = event.now
+            self._was_deferred = True
+            self._held = True
         if up is Up.CLOSED and self._up is not Up.CLOSED:
             self._up_reached = Up.STREAMING if on is On.TOKEN else self._up
             self._closed_at = event.now
@@ -411,6 +461,7 @@ _EVENT_KIND: dict[type, On] = {
     UpstreamHeaders: On.HEADERS,
     UpstreamEOF: On.EOF,
     UpstreamError: On.ERROR,
+    UpstreamSilent: On.SILENT,
     ClientGone: On.CLIENT_GONE,
     Shutdown: On.SHUTDOWN,
 }

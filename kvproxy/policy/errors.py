@@ -352,6 +352,22 @@ def shutting_down() -> KvproxyError:
     )
 
 
+def overloaded(resource: str, detail: str, *, close: bool = False) -> KvproxyError:
+    """Shed at the door (kvproxy.serve.overload): `resource` is what ran out ("connections",
+    "body_memory"); nothing of the request was read past its head or sent upstream."""
+    headers = {"Retry-After": "1"}
+    if close:
+        headers["Connection"] = "close"
+    return KvproxyError(
+        status=503,
+        code="overloaded",
+        reason="overloaded",
+        type="service_unavailable",
+        message=f"kvproxy is overloaded ({resource}: {detail}); retry later",
+        headers=headers,
+    )
+
+
 def method_not_allowed(method: str) -> KvproxyError:
     return KvproxyError(
         status=405,

@@ -31,6 +31,12 @@ from kvproxy.response import CanaryRules
 from kvproxy.serve.handler import SERVICES_KEY, STATE_KEY, handle
 from kvproxy.serve.headers import MAX_FIELD_BYTES, MAX_LINE_BYTES
 from kvproxy.serve.models import build_table
+from kvproxy.serve.overload import (
+    SHED_SERIES,
+    BodyMemoryGate,
+    ConnectionGate,
+    derived_connection_limit,
+)
 from kvproxy.serve.replies import error_response
 from kvproxy.serve.state import ServerState, Services
 from kvproxy.serve.watch import DisconnectWatcher, LoopLagMonitor, release_heap, settle_heap
@@ -128,12 +134,20 @@ class KvproxyServer:
             models=models,
             tenants=TenantResolver(s),
             canaries=CanaryRules.from_settings(s),
+            connections=ConnectionGate(s.max_connections or derived_connection_limit()),
+            body_memory=BodyMemoryGate(s.max_body_memory_bytes),
         )
         self._state = state = ServerState(hard_stop=loop.create_future())
         state.idle.set()
         # Read at scrape time: a gauge write per request start and end was measurable.
         self.metrics.inflight.set_function(lambda: state.inflight)
         self.metrics.event_loop_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
+        self.metrics.public_connections.set_function(lambda: services.connections.open)
+        self.metrics.public_connections_limit.set(services.connections.limit)
+        self.metrics.body_memory_bytes.set_function(lambda: services.body_memory.in_use)
+        self.metrics.body_memory_limit_bytes.set(services.body_memory.limit)
+        for resource, action in SHED_SERIES:
+            self.metrics.overload_shed.labels(resource, action)
         for canary in s.canaries:
             self.metrics.canary_violations.labels(canary.tenant)
         for m in models.models:
@@ -168,7 +182,7 @@ class KvproxyServer:
         # aiohttp has no header-read timeout: wrap its protocol factory so a connection that
         # never completes a request head (slowloris) is closed instead of held forever.
         self._public._server = _HeaderDeadline(  # type: ignore[assignment]
-            self._public.server, s.header_read_timeout_s
+            self._public.server, s.header_read_timeout_s, services.connections, self.metrics
         )
         host, port = s.listen_host_port
         self._public_site = web.TCPSite(self._public, host, port, backlog=1024)
@@ -272,9 +286,30 @@ class _PublicHandler(RequestHandler):
     more than 128 fields, a malformed request line or field) answered as kvproxy answers
     bad input: a JSON error naming the problem, with aiohttp's status (400). aiohttp's own
     answer was plain text quoting the offending line, and its log line carried the same
-    bytes (an Authorization header among them): here only the exception's type is logged."""
+    bytes (an Authorization header among them): here only the exception's type is logged.
 
-    __slots__ = ()
+    Counted by the connection gate (kvproxy.serve.overload) from accept to close: `shed`
+    marks a connection accepted past the limit (its request gets 503 `overloaded`)."""
+
+    __slots__ = ("_drop", "_gate", "shed")
+
+    def __init__(self, *args: Any, gate: ConnectionGate, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gate: ConnectionGate | None = gate
+        self.shed = False
+        self._drop = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self._drop:
+            # Past the shedding margin even a 503 costs what the process lacks.
+            transport.abort()  # type: ignore[attr-defined]  # uvloop's and asyncio's have it
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.closed()
+        super().connection_lost(exc)
 
     def handle_error(
         self,
@@ -304,16 +339,26 @@ class _HeaderDeadline:
     and closes a connection whose first request head has not been parsed `timeout_s` after
     it was accepted. Everything else is delegated."""
 
-    def __init__(self, server: web.Server | None, timeout_s: float) -> None:
+    def __init__(
+        self, server: web.Server | None, timeout_s: float, gate: ConnectionGate, metrics: Metrics
+    ) -> None:
         assert server is not None
         self._server = server
         self._timeout_s = timeout_s
+        self._gate = gate
+        self._metrics = metrics
 
     def __call__(self) -> Any:
         server = self._server
         # What web.Server.__call__ builds, as the subclass (aiohttp 3.10-3.14: _loop, _kwargs).
-        handler = _PublicHandler(server, loop=server._loop, **server._kwargs)
-        asyncio.get_running_loop().call_later(self._timeout_s, _cut_if_headless, handler)
+        handler = _PublicHandler(server, loop=server._loop, gate=self._gate, **server._kwargs)
+        verdict = self._gate.opened()
+        if verdict == "drop":
+            self._metrics.overload_shed.labels("connections", "drop").inc()
+            handler._drop = True
+        else:
+            handler.shed = verdict == "shed"
+            asyncio.get_running_loop().call_later(self._timeout_s, _cut_if_headless, handler)
         return handler
 
     def __getattr__(self, name: str) -> Any:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kvproxy.budget import Lease
     from kvproxy.policy import RouteMatch
     from kvproxy.serve.models import ClusterServices, ModelServices
+    from kvproxy.serve.overload import BodyReservation
     from kvproxy.serve.state import ServerState, Services
 
 # Fields of the context that are not part of the access line: the request's objects, and
@@ -34,7 +35,7 @@ _NOT_LOGGED = frozenset(
     {
         "request", "services", "state", "match", "style", "body", "headers", "reply_headers",
         "model_services", "cluster", "shape", "count", "verdict", "lease", "started",
-        "unclamped", "tried",
+        "unclamped", "tried", "body_memory",
     }
 )  # fmt: skip
 
@@ -88,6 +89,8 @@ class RequestContext:
     unclamped: bytes | None = None
     tried: str | None = None
     lease: Lease | None = None
+    # This request's share of the body-memory budget while its body is read and counted.
+    body_memory: BodyReservation | None = None
 
     @property
     def streaming(self) -> bool:
@@ -110,6 +113,12 @@ class RequestContext:
         if self.lease is not None:
             self.lease.release()
             self.lease = None
+
+    def release_body_memory(self) -> None:
+        """The body was counted (or refused): its reading-and-counting share comes back."""
+        if self.body_memory is not None:
+            self.body_memory.release()
+            self.body_memory = None
 
     def finish(self) -> None:
         self.duration_s = round(time.monotonic() - self.started, 6)

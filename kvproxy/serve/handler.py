@@ -4,11 +4,13 @@
       builds a RequestContext (kvproxy.serve.context): route, request id, tenant
       runs the stages in order; each reads and fills the context and returns a refusal
       (a `KvproxyError`), ABANDONED (the client left before anything was sent) or None:
-        every request     refuse_when_stopping, refuse_oversize_head, refuse_route,
-                          refuse_oversize, read_body, upstream_headers
-        counted routes    require_post, decode_body, pick_model, admit, pick_cluster,
-                          take_budget, recheck_after_queue, clamp
-        pass-through      passthrough_upstream (gateway mode's single-model form)
+        every request     refuse_when_stopping, refuse_overloaded, refuse_oversize_head,
+                          refuse_route, refuse_oversize, reserve_body_memory, read_body,
+                          upstream_headers
+        counted routes    require_post, decode_body, pick_model, admit, body_counted,
+                          pick_cluster, take_budget, recheck_after_queue, clamp
+        pass-through      passthrough_upstream (gateway mode's single-model form),
+                          body_counted
       forwards the bytes as read (decoded if they were; no re-serialisation) through the
       relay (kvproxy.serve.relay: I5, I6)
     One way out for a refusal (`_refuse`), one `finally` that gives the in-flight budget
@@ -17,7 +19,9 @@
     or a 5xx ejects it; a connect failure, and only that (no byte was sent), runs RETRY once:
     move_cluster, pick_cluster, take_budget, recheck_after_queue, clamp on another cluster.
 
-Each stage fails closed: a request head past its bounds is a 431 (kvproxy.serve.headers:
+Each stage fails closed: a connection accepted past the connection limit, or a body that
+finds no room in the body-memory budget in time, is a 503 `overloaded` before its body is
+read (kvproxy.serve.overload); a request head past its bounds is a 431 (kvproxy.serve.headers:
 aiohttp bounds each line and the count, not the total); routes that are neither counted nor
 pass-through are a 404 and never forwarded (kvproxy.policy.routes); capacity unknown is a
 503 before any parsing (I3); only a guaranteed bound or an exact count admits (I1, I4). A
@@ -44,6 +48,7 @@ from kvproxy.response import CanaryScanner
 from kvproxy.serve.body import content_coding, decode, forwarded_headers, read_arrived, read_raw
 from kvproxy.serve.context import RequestContext
 from kvproxy.serve.headers import filter_headers, request_head_error, set_forwarded_for
+from kvproxy.serve.overload import BodyReservation
 from kvproxy.serve.relay import Exchange
 from kvproxy.serve.replies import client_gone, client_gone_response, error_response
 from kvproxy.serve.state import ServerState, Services
@@ -107,6 +112,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         services.metrics.responses_total.labels(ctx.route, str(ctx.status)).inc()
         return resp if resp is not None else client_gone_response()
     finally:
+        ctx.release_body_memory()
         ctx.release_lease()
         ctx.finish()
         services.metrics.request_duration.labels(ctx.route).observe(ctx.duration_s)
@@ -213,6 +219,44 @@ async def refuse_when_stopping(ctx: RequestContext) -> Stop | None:
     return errors.shutting_down() if ctx.state.stopping else None
 
 
+async def refuse_overloaded(ctx: RequestContext) -> Stop | None:
+    """A connection accepted past the connection limit (kvproxy.serve.overload) gets one
+    503 and is closed; its body is never read."""
+    if getattr(ctx.request.protocol, "shed", False):
+        gate = ctx.services.connections
+        ctx.services.metrics.overload_shed.labels("connections", "reply").inc()
+        return errors.overloaded(
+            "connections", f"{gate.open} open, the limit is {gate.limit}", close=True
+        )
+    return None
+
+
+async def reserve_body_memory(ctx: RequestContext) -> Stop | None:
+    """Room for the body in the body-memory budget before it is read (kvproxy.serve.overload):
+    its declared length, or the largest body when its size is not known before reading
+    (chunked) or decoding may grow it (a Content-Encoding)."""
+    request, s = ctx.request, ctx.services.settings
+    if not request.body_exists:
+        return None
+    size = request.content_length
+    if size is None or "Content-Encoding" in request.headers:
+        size = s.max_body_bytes
+    gate = ctx.services.body_memory
+    if not await gate.take(size, s.body_memory_wait_s):
+        ctx.services.metrics.overload_shed.labels("body_memory", "reply").inc()
+        return errors.overloaded(
+            "body_memory",
+            f"{gate.in_use:,} of {gate.limit:,} body bytes are being read or counted",
+        )
+    ctx.body_memory = BodyReservation(gate, size)
+    return None
+
+
+async def body_counted(ctx: RequestContext) -> Stop | None:
+    ctx.release_body_memory()
+    return None
+
+
 async def refuse_oversize_head(ctx: RequestContext) -> Stop | None:
     s, request = ctx.services.settings, ctx.request
     return request_head_error(
@@ -250,6 +294,8 @@ async def read_body(ctx: RequestContext) -> Stop | None:
         return ABANDONED  # it left mid-upload: nothing was sent upstream
     ctx.body = body
     ctx.bytes_in = len(body)
+    if ctx.body_memory is not None:
+        ctx.body_memory.shrink_to(len(body))
     return None
 
 
@@ -428,9 +474,11 @@ async def clamp(ctx: RequestContext) -> Stop | None:
 
 EVERY_REQUEST: tuple[Stage, ...] = (
     refuse_when_stopping,
+    refuse_overloaded,
     refuse_oversize_head,
     refuse_route,
     refuse_oversize,
+    reserve_body_memory,
     read_body,
     upstream_headers,
 )
@@ -462,12 +510,13 @@ COUNTED: tuple[Stage, ...] = (
     decode_body,
     pick_model,
     admit,
+    body_counted,
     pick_cluster,
     take_budget,
     recheck_after_queue,
     clamp,
 )
-PASSTHROUGH: tuple[Stage, ...] = (*EVERY_REQUEST, passthrough_upstream)
+PASSTHROUGH: tuple[Stage, ...] = (*EVERY_REQUEST, passthrough_upstream, body_counted)
 # After a connect failure: another cluster, its budget, its limits, its clamp.
 RETRY: tuple[Stage, ...] = (move_cluster, pick_cluster, take_budget, recheck_after_queue, clamp)
 

@@ -52,6 +52,7 @@ class _Signal:
 
 
 GONE = _Signal("gone")
+SILENT = _Signal("silent")
 DEADLINE = _Signal("deadline")
 SHUTDOWN = _Signal("shutdown")
 
@@ -84,6 +85,10 @@ class Exchange:
         )
         self.streaming = streaming
         self.gone: asyncio.Future[None] = services.watcher.watch(request)
+        # Resolved by the upstream connection when the read timeout passes before a safe
+        # point (the connection stays open: the drain machine decides, `Hold`); cancelled
+        # once a safe point is reached, after which a timeout fails the read as usual.
+        self.silence: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.upstream: UpstreamResponse | None = None
         self.client: web.StreamResponse | None = None
         self.inspector: ResponseInspector | None = None
@@ -121,7 +126,19 @@ class Exchange:
             return GONE
         if self.hard_stop.done():
             return SHUTDOWN
+        if self._silent():
+            return SILENT
         return DEADLINE
+
+    def _silent(self) -> bool:
+        """The read timeout passed before a safe point and the machine was not told yet."""
+        s = self.silence
+        return (
+            s.done()
+            and not s.cancelled()
+            and not self.machine.client_gone
+            and not self.machine.upstream_closed
+        )
 
     async def _race(self, fut: asyncio.Future[Any]) -> None:
         loop = asyncio.get_running_loop()
@@ -134,6 +151,7 @@ class Exchange:
         watched = [fut, self.hard_stop]
         if not self.machine.client_gone:
             watched.append(self.gone)
+            watched.append(self.silence)
         for f in watched:
             f.add_done_callback(wake)
         timer = None
@@ -169,6 +187,8 @@ class Exchange:
             return self._client_gone()
         if sig is DEADLINE:
             return self.machine.handle(drain.Deadline(now=now))
+        if sig is SILENT:
+            return self.machine.handle(drain.UpstreamSilent(now=now))
         return self.machine.handle(drain.Shutdown(now=now))
 
     # --- the exchange -------------------------------------------------------------------
@@ -180,7 +200,7 @@ class Exchange:
         nothing was streamed yet, else None."""
         s = self.services
         t_sent = time.monotonic()
-        send = s.upstream.start(upstream, method, target, headers, body)
+        send = s.upstream.start(upstream, method, target, headers, body, silence=self.silence)
         try:
             result = await self._headers_phase(send)
             if isinstance(result, web.StreamResponse) or result is None:
@@ -208,6 +228,8 @@ class Exchange:
                 decision = self._signal(got)
                 if isinstance(decision, drain.CloseUpstream):
                     return None
+                if isinstance(decision, drain.Hold):
+                    await self._answer_held()
                 continue
             up: UpstreamResponse = got
             self.upstream = up
@@ -258,6 +280,11 @@ class Exchange:
         while True:
             m = self.machine
             fast = got_first and not m.client_gone and (m.token_seen or not self.streaming)
+            if fast and not self.silence.done():
+                # A safe point: from here the read timeout fails the read and closes.
+                self.silence.cancel()
+            elif fast and self._silent():
+                fast = False  # it fired before the safe point: the racing wait reports it
             try:
                 with network_boundary():
                     if fast:
@@ -276,7 +303,12 @@ class Exchange:
                                 with contextlib.suppress(BaseException):
                                     await read
                         if isinstance(got, _Signal):
-                            if isinstance(self._signal(got), drain.CloseUpstream):
+                            decision = self._signal(got)
+                            if isinstance(decision, drain.Hold):
+                                await self._answer_held()
+                            elif isinstance(decision, drain.CloseUpstream):
+                                if got is SILENT:  # after a token: fail it, as a timeout
+                                    return await self._silent_close()
                                 return None
                             continue
                         chunk = got
@@ -328,6 +360,37 @@ class Exchange:
                 self.whole = kept.forward
             elif not await self._write(up, kept.forward):
                 return None
+
+    async def _answer_held(self) -> None:
+        """`Hold`: the upstream went silent before a safe point. The client gets the
+        timeout now (an error response, or its started stream ended with the error); the
+        upstream stays open as a deferred cancellation (I5), counted by its outcome."""
+        err = errors.upstream_failure("timeout", "TimeoutError")
+        self.record.upstream_outcome = err.code
+        self.services.metrics.upstream_errors.labels(err.code).inc()
+        self.services.metrics.deferred_in_progress.inc()
+        if self.client is not None:
+            await self._end_stream_with_error(err)
+            return
+        resp = error_response(err, self.extra_headers, self.style)
+        # The handler returns only once the upstream is closed: a keep-alive client must
+        # not queue its next request behind the drain.
+        resp.force_close()
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await resp.prepare(self.request)
+            await resp.write_eof()
+        self.client = resp
+
+    async def _silent_close(self) -> web.StreamResponse | None:
+        """Silence after a token reached the client: the transfer is over, so the request
+        fails as a timeout and the upstream is closed now."""
+        err = errors.upstream_failure("timeout", "TimeoutError")
+        self.record.upstream_outcome = err.code
+        self.services.metrics.upstream_errors.labels(err.code).inc()
+        if self.client is not None:
+            await self._end_stream_with_error(err)
+            return None
+        return error_response(err, self.extra_headers, self.style)
 
     async def _write(self, up: UpstreamResponse, chunk: bytes) -> bool:
         """Relay one chunk; False when the upstream must now be closed (client gone at a

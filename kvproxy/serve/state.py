@@ -3,8 +3,8 @@ one explicit object instead of module globals, and only what really changes in i
 
 `Services`: built once at start, read by every request, never reassigned: the settings,
 the metrics, the relay's upstream pool and the probes' session, the watchers, each model's
-capacity/counter/budget (`models`), the tenant resolver and the canary rules. A handler
-receives them explicitly.
+capacity/counter/budget (`models`), the tenant resolver, the canary rules and the overload
+gates. A handler receives them explicitly.
 
 `ServerState`: the mutable part: how many requests are in flight, whether the server is
 stopping, and the hard-stop future deferred drains race against. The app builds both at
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvproxy.policy import TenantResolver
     from kvproxy.response import CanaryRules
     from kvproxy.serve.models import ModelTable
+    from kvproxy.serve.overload import BodyMemoryGate, ConnectionGate
     from kvproxy.upstream import UpstreamPool
 
 
@@ -44,6 +45,9 @@ class Services:
     models: ModelTable
     tenants: TenantResolver
     canaries: CanaryRules
+    # Overload shedding (kvproxy.serve.overload): public connections and body memory.
+    connections: ConnectionGate
+    body_memory: BodyMemoryGate
 
 
 @dataclass

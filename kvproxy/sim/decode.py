@@ -144,7 +144,12 @@ class DecodeServer(EngineServer):
         assert state.done is not None
         self.inflight_transfers += 1
         try:
-            message = await asyncio.shield(state.done)
+            message = await asyncio.wait_for(
+                asyncio.shield(state.done), self.faults.waiting_timeout_s
+            )
+        except TimeoutError:
+            self.stats.waiting_timeouts += 1
+            message = {"status": "failed", "error": "KV transfer waiting timed out."}
         finally:
             self.inflight_transfers -= 1
         mismatch = message.get("status") == "ok" and self._checksum_mismatch(state, message)

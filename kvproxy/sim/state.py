@@ -77,6 +77,10 @@ class Faults:
     transfer_batch_pages: int = 0
     # SGLang's deferred-release timeout is 30 s (PR #35049).
     abort_ack_timeout_s: float = 30.0
+    # How long decode waits for a transfer it was promised before giving the request up:
+    # SGLang's SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s by default. Without it a decode
+    # whose prefill leg was cancelled mid-handshake would wait forever.
+    waiting_timeout_s: float = 300.0
 
     def update(self, changes: dict[str, Any]) -> None:
         known = {f.name: f.type for f in fields(self)}
@@ -106,6 +110,8 @@ class EngineStats:
     aborts_before_drain: int = 0
     abort_acks: int = 0
     abort_ack_timeouts: int = 0
+    # Transfers decode stopped waiting for (waiting_timeout_s): counted as failures too.
+    waiting_timeouts: int = 0
     bootstrap_failures: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0

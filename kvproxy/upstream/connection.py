@@ -4,7 +4,9 @@ with flow control, and the read timeout (one timer for the connection's life).
 
 Raises into the reader (kvproxy.upstream.boundary classifies them): ConnectionResetError (the
 upstream closed before the response ended), TimeoutError (no bytes for the read timeout, or
-the upstream took no request bytes for the send timeout), UpstreamProtocolError.
+the upstream took no request bytes for the send timeout), UpstreamProtocolError. A caller
+that passed a `silence` future learns of the read timeout through it instead, with the
+connection left open (the relay holds an upstream whose transfer may be in flight, I5).
 
 What it accepts of a head is kvproxy.response.head's. The head (status line and field
 lines, interim heads included) is bounded by `max_head_bytes`, counted as bytes are fed to
@@ -215,6 +217,9 @@ class Connection(asyncio.Protocol):
         self._dataless = 0
         self._trailers = 0
         self._body_pending = False  # the request body is still being written (send_rest)
+        # The caller's: resolved, instead of failing the response and aborting, when the read
+        # timeout passes while it is pending (see `send`).
+        self._silence: asyncio.Future[None] | None = None
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -380,10 +385,24 @@ class Connection(asyncio.Protocol):
 
     # --- the pool's side ----------------------------------------------------------------
 
-    def send(self, head: bytes, body: bytes, *, no_body: bool) -> None:
-        """Write the head (and a small body) now; the response comes later."""
+    def send(
+        self,
+        head: bytes,
+        body: bytes,
+        *,
+        no_body: bool,
+        silence: asyncio.Future[None] | None = None,
+    ) -> None:
+        """Write the head (and a small body) now; the response comes later.
+
+        `silence`: when the read timeout passes while this future is pending, it is resolved
+        and the connection is left open and unfailed (its timer stops: the caller bounds
+        the wait from then on), so a caller that must not close an upstream whose KV
+        transfer may be in flight can answer its client and hold the upstream (I5). Once
+        the caller cancels it (a safe point), a timeout fails the response and aborts."""
         assert self.transport is not None
         assert self.response is None
+        self._silence = silence
         self.response = UpstreamResponse(self)
         self.head = head_future = asyncio.get_running_loop().create_future()
         head_future.add_done_callback(self._head_settled)
@@ -441,6 +460,7 @@ class Connection(asyncio.Protocol):
     def done_with(self, resp: UpstreamResponse) -> None:
         self.response = None
         self.head = None
+        self._silence = None
         # Request bytes the upstream never took (a write buffer left) would precede the next.
         unsent = self.transport is None or self.transport.get_write_buffer_size()
         if self.closed or not self.reusable or unsent:
@@ -511,6 +531,10 @@ class Connection(asyncio.Protocol):
             # Data came meanwhile, or the relay is the slow side: look again later.
             wait = timeout if self._reading_paused else timeout - quiet
             self._timer = asyncio.get_running_loop().call_later(wait, self._on_timer)
+            return
+        silence = self._silence
+        if silence is not None and not silence.done():
+            silence.set_result(None)
             return
         err = TimeoutError(f"no bytes from the upstream for {timeout:g} s")
         self.response._fail(err)

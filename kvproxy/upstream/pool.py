@@ -108,27 +108,44 @@ class UpstreamPool:
         return got
 
     def start(
-        self, url: str, method: str, target: str, headers: CIMultiDict[str], body: bytes
+        self,
+        url: str,
+        method: str,
+        target: str,
+        headers: CIMultiDict[str],
+        body: bytes,
+        *,
+        silence: asyncio.Future[None] | None = None,
     ) -> asyncio.Future[UpstreamResponse]:
         """`request` as a future to race, without a task when it can be sent right away (an
         idle connection and a body that goes in one write, the common case). Cancelling
-        the future aborts the connection (an upstream cancellation)."""
+        the future aborts the connection (an upstream cancellation). `silence`: see
+        `Connection.send` (the read timeout resolves it instead of failing the request)."""
         origin = self.origin(url)
         if len(body) <= WRITE_PIECE and not self._closed and self._idle.get(origin):
             head = _request_head(method, origin.prefix + target, origin.host_header, headers, body)
             conn = self._reuse(origin)
             if conn is not None:
                 try:
-                    conn.send(head, body, no_body=method == "HEAD")
+                    conn.send(head, body, no_body=method == "HEAD", silence=silence)
                 except BaseException:
                     conn.abort()
                     raise
                 assert conn.head is not None
                 return conn.head
-        return asyncio.ensure_future(self.request(url, method, target, headers, body))
+        return asyncio.ensure_future(
+            self.request(url, method, target, headers, body, silence=silence)
+        )
 
     async def request(
-        self, url: str, method: str, target: str, headers: CIMultiDict[str], body: bytes
+        self,
+        url: str,
+        method: str,
+        target: str,
+        headers: CIMultiDict[str],
+        body: bytes,
+        *,
+        silence: asyncio.Future[None] | None = None,
     ) -> UpstreamResponse:
         """Send `method target` to the upstream at `url`; the response once its head came.
         `headers` must not hold hop-by-hop fields (kvproxy.serve.headers); Host and
@@ -137,7 +154,7 @@ class UpstreamPool:
         head = _request_head(method, origin.prefix + target, origin.host_header, headers, body)
         conn = await self._acquire(origin)
         try:
-            conn.send(head, body, no_body=method == "HEAD")
+            conn.send(head, body, no_body=method == "HEAD", silence=silence)
             if len(body) > WRITE_PIECE:
                 await conn.send_rest(body)
             assert conn.head is not None

@@ -30,6 +30,7 @@ from kvproxy.policy.drain import (
     DrainUntil,
     Event,
     Forward,
+    Hold,
     KeepReading,
     Mode,
     NoOp,
@@ -42,6 +43,7 @@ from kvproxy.policy.drain import (
     UpstreamEOF,
     UpstreamError,
     UpstreamHeaders,
+    UpstreamSilent,
     label,
 )
 from kvproxy.response.guard import StreamGuard
@@ -64,6 +66,7 @@ ALPHABET: dict[str, Callable[[DrainMachine, float], Event]] = {
     "gone": lambda m, t: ClientGone(t),
     "deadline": lambda m, t: Deadline(m.deadline if m.deadline is not None else t),
     "shutdown": lambda m, t: Shutdown(t),
+    "silent": lambda m, t: UpstreamSilent(t),
 }
 UPSTREAM_EVENTS = {"headers", "chunk", "token", "eof", "error"}
 EXPECTED_OUTCOME = {
@@ -86,6 +89,7 @@ class Model:
     closed: bool = False
     closes: int = 0
     tokens_after_gone: int = 0
+    held: bool = False  # answered on silence, the upstream kept (Hold)
 
 
 def walk(streaming: bool, until: DrainUntil) -> Iterator[tuple[list[str], Decision | None]]:
@@ -147,6 +151,19 @@ def check(
         model.token_seen = True
         if model.gone:
             model.tokens_after_gone += 1
+    if name == "silent" and not model.gone and not was_closed:
+        # Silence before a token holds the upstream for a client that is answered now;
+        # after a token (the transfer is over) it just fails the request.
+        if model.token_seen:
+            assert isinstance(d, CloseUpstream), seq
+            assert d.outcome is None, seq
+        else:
+            assert isinstance(d, Hold), seq
+            model.gone = model.held = True
+            assert m.held, seq
+            assert m.disconnect_phase is None, seq
+    elif name == "silent":
+        assert isinstance(d, (KeepReading, NoOp)), seq
     if name == "gone":
         model.gone = True
         phase = "streaming" if model.token_seen else (
@@ -157,6 +174,8 @@ def check(
     # I5: nothing reaches a client that has gone; nothing is discarded for a present one.
     if model.gone:
         assert not isinstance(d, Forward), seq
+        if not model.held:
+            assert m.disconnect_phase is not None, seq
     else:
         assert not isinstance(d, Discard), seq
         assert m.disconnect_phase is None
@@ -479,3 +498,36 @@ def test_first_token_in_any_field_ends_a_deferred_drain(first: dict[str, object]
             break
     assert decisions == [Discard(), CloseUpstream("first_token")]
     assert m.outcome == "first_token"
+
+
+def test_silence_before_a_token_holds_the_upstream_until_a_safe_point() -> None:
+    """A read timeout before the transfer is known over (a blackholed router): the client is
+    answered now (Hold) and the upstream is kept until a safe point, as after a disconnect."""
+    m = DrainMachine(True, "first_token", TIMEOUT_S)
+    assert isinstance(m.handle(UpstreamSilent(5.0)), Hold)
+    assert m.held
+    assert m.deferred
+    assert m.client_gone
+    assert m.disconnect_phase is None  # the client did not leave: no disconnect counted
+    assert m.deadline == 5.0 + TIMEOUT_S
+    assert run(m, UpstreamHeaders(6.0), UpstreamChunk(7.0, has_token=True))[-1] == CloseUpstream(
+        "first_token"
+    )
+    assert m.outcome == "first_token"
+    assert m.was_deferred
+
+
+def test_silence_that_lasts_closes_at_the_drain_deadline_as_timeout() -> None:
+    m = DrainMachine(False, "first_token", TIMEOUT_S)
+    run(m, UpstreamHeaders(0.0), UpstreamSilent(1.0))
+    assert isinstance(m.handle(UpstreamSilent(2.0)), KeepReading)  # the deadline bounds it
+    assert m.handle(Deadline(1.0 + TIMEOUT_S)) == CloseUpstream("timeout")
+
+
+def test_silence_after_a_token_fails_the_request_and_closes() -> None:
+    for until in ("first_token", "completion"):
+        m = DrainMachine(True, until, TIMEOUT_S)  # type: ignore[arg-type]
+        run(m, UpstreamHeaders(0.0), UpstreamChunk(1.0, has_token=True))
+        assert m.handle(UpstreamSilent(2.0)) == CloseUpstream(None)
+        assert not m.held
+        assert m.outcome is None

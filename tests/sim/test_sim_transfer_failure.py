@@ -71,3 +71,26 @@ async def test_fixed_failed_send_is_an_error_and_pages_wait_for_the_ack() -> Non
     assert decode["stale_page_reads"] == 0
     assert decode["pages_freed_before_drain"] == 0
     assert decode["late_writes_into_free_pages"] == 0
+
+
+async def test_decode_gives_up_a_transfer_it_waited_too_long_for() -> None:
+    """SGLang's waiting timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT): a decode whose
+    transfer never finishes in time fails the request instead of running forever (the
+    fault suite's resets left decodes waiting on a prefill leg the router had cancelled)."""
+    async with (
+        running_sim(mode="fixed", transfer_ms_per_page=300.0) as sim,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(sim.router_url + "/sim/faults", json={"waiting_timeout_s": 0.3}) as r:
+            assert r.status == 200
+        status, body = await chat(http, sim.router_url, canary_text("A", 200), max_tokens=8)
+
+        async def idle() -> bool:
+            return bool((await stats(http, sim.decode_url))["running"] == 0)
+
+        await wait_until(idle)
+        decode = await stats(http, sim.decode_url)
+    assert status == 500
+    assert "waiting timed out" in str(body["message"])
+    assert decode["waiting_timeouts"] == 1
+    assert decode["transfer_failures"] == 1
