@@ -10,14 +10,15 @@ transformers 5 does not always use tokenizer.json as it is (read at transformers
     models/auto/tokenization_auto.py `AutoTokenizer.from_pretrained`);
   * any other class keeps only the vocabulary, the merges, the post-processor and the added
     tokens, and builds the normalizer, the pre-tokenizer and the BPE options from its own
-    `__init__` defaults. `GPT2Tokenizer` (MiniMax-Text-01, MiniMax-M1) drops the file's NFC
-    normalizer and its split regex for GPT-2's: transformers counts 48 tokens where the file
-    counts 44 on one line of English, and 9x more on decomposed Hangul.
+    `__init__` defaults. `GPT2Tokenizer` (MiniMax, MiniMax-Text-01, MiniMax-M1) drops the
+    file's NFC normalizer and its split regex for GPT-2's: transformers counts 40 tokens where
+    the file counts 36 on one line of English, and 1,500 more on 9 KB of decomposed Hangul;
+    `Qwen2Tokenizer` (Qwen-3.5/3.6) puts Qwen-2's regex in place of the file's.
 
-Which of the two an engine gets depends on more than these files (config.json's model_type
-can send a class back to the generic one, transformers 4 always used the file, the engines
-keep their own override lists), so kvproxy counts with every pipeline the engine may have
-built and takes the largest: exact where they agree, an upper bound where they differ.
+Which one an engine gets depends on more than tokenizer_config.json: config.json's model type
+can replace the declared class (MODEL_TYPE_CLASS) or send it back to the generic one,
+transformers 4 always used the file. So kvproxy counts with every pipeline the engine may
+have built and takes the largest: exact where they agree, an upper bound where they differ.
 
 Either pipeline also gets the added tokens transformers registers on top of the file's:
 tokenizer_config.json's `added_tokens_decoder` and its named special tokens.
@@ -47,6 +48,34 @@ QWEN2_REGEX = (
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
+# Qwen3_5Tokenizer's (models/qwen3_5/tokenization_qwen3_5.py PRETOKENIZE_REGEX): Qwen-2's
+# with combining marks (\p{M}) kept inside words.
+QWEN3_5_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# config.json model types whose tokenizer_config.json class transformers 5.24 overrides
+# (models/auto/tokenization_auto.py MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), with the
+# class it loads instead (TOKENIZER_MAPPING_NAMES; "" is the generic class, the file as it
+# is). A model type listed there but not here is not modelled (fail closed).
+MODEL_TYPE_CLASS: dict[str, str] = {
+    **dict.fromkeys(
+        """arctic camembertv2-base chatlm cohere_asr ernie4_5 ernie4_5_moe fuyu h2ovl_chat
+        hyperclovax hyperclovax_vlm internlm2 internlm3 iquestcoder jamba llava llava_next
+        minicpm3 minicpmv minimax_m2 modernbert modernbert-decoder molmo molmo2 nemotron nvfp4
+        opencua openvla paddleocr_vl phi3 phi3_v phimoe smolvlm step3_vl vipllava""".split(),  # noqa: SIM905
+        "",
+    ),
+    "hyperclovax_vision_v2": "GPT2Tokenizer",
+    "qwen2": "Qwen2Tokenizer",
+    "qwen3_5": "Qwen3_5Tokenizer",
+    "qwen3_5_moe": "Qwen3_5Tokenizer",
+    "qwen3_5_moe_text": "Qwen3_5Tokenizer",
+    "qwen4_exp": "Qwen3_5Tokenizer",
+    "siglip2": "Siglip2Tokenizer",
+}
+
 # Named special tokens transformers reads from tokenizer_config.json
 # (tokenization_utils_base.py SPECIAL_TOKENS_ATTRIBUTES).
 NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -74,8 +103,9 @@ def _gpt2(add_prefix_space: bool) -> dict[str, Any]:
     }
 
 
-def _qwen2(add_prefix_space: bool) -> dict[str, Any]:
-    # models/qwen2/tokenization_qwen2.py Qwen2Tokenizer.__init__
+def _qwen2(add_prefix_space: bool, regex: str = QWEN2_REGEX) -> dict[str, Any]:
+    # models/qwen2/tokenization_qwen2.py Qwen2Tokenizer.__init__ (Qwen3_5Tokenizer's is the
+    # same with its own regex: models/qwen3_5/tokenization_qwen3_5.py)
     return {
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {
@@ -83,7 +113,7 @@ def _qwen2(add_prefix_space: bool) -> dict[str, Any]:
             "pretokenizers": [
                 {
                     "type": "Split",
-                    "pattern": {"Regex": QWEN2_REGEX},
+                    "pattern": {"Regex": regex},
                     "behavior": "Isolated",
                     "invert": False,
                 },
@@ -109,6 +139,7 @@ def _qwen2(add_prefix_space: bool) -> dict[str, Any]:
 MODELLED: dict[str, tuple[Any, dict[str, str]]] = {
     "GPT2Tokenizer": (_gpt2, _GPT2_SPECIALS),
     "Qwen2Tokenizer": (_qwen2, _QWEN2_SPECIALS),
+    "Qwen3_5Tokenizer": (lambda aps: _qwen2(aps, QWEN3_5_REGEX), _QWEN2_SPECIALS),
 }
 
 
@@ -132,38 +163,77 @@ def declared_class(config: dict[str, Any]) -> str:
     return name.removesuffix("Fast") if isinstance(name, str) else ""
 
 
-def engine_pipelines(spec: dict[str, Any], config: dict[str, Any], raw: str) -> Pipelines:
-    """What transformers 5.24 builds from this tokenizer.json (`spec`, its text `raw`) and
-    tokenizer_config.json (`config`), as the pipelines to count with."""
+def engine_classes(config: dict[str, Any], raw: str, model_type: str | None) -> list[str]:
+    """The tokenizer classes transformers may load for this directory ("" is the generic
+    class: the file as it is). A declared byte-level LlamaTokenizer and the generic aliases
+    load the file (AutoTokenizer.from_pretrained: `_tokenizer_json_has_byte_level`, a text
+    search of the file); config.json's model type may replace the declared class
+    (MODEL_TYPE_CLASS), though another transformers release would not: both are kept."""
     cls = declared_class(config)
-    auto_map = config.get("auto_map")
-    if auto_map:
-        return Pipelines(
-            (spec,),
-            unmodelled=f"tokenizer_config.json names remote tokenizer code (auto_map) "
-            f"the engines run with trust_remote_code; kvproxy cannot build {cls or 'it'}",
-            changed=(False,),
+    if cls in AS_IS or (cls == "LlamaTokenizer" and '"ByteLevel"' in raw):
+        cls = ""
+    out = [cls]
+    if model_type in MODEL_TYPE_CLASS:
+        out.append(MODEL_TYPE_CLASS[model_type])
+    return list(dict.fromkeys(out))
+
+
+def engine_pipelines(
+    spec: dict[str, Any], config: dict[str, Any], raw: str, model_type: str | None = None
+) -> Pipelines:
+    """What transformers 5.24 may build from this tokenizer.json (`spec`, its text `raw`),
+    tokenizer_config.json (`config`) and config.json's `model_type` (when the directory holds
+    one), as the pipelines to count with: the file as it is first, then each rebuild that
+    counts differently."""
+    cls = declared_class(config)
+
+    def unmodelled(why: str) -> Pipelines:
+        return Pipelines((spec,), unmodelled=why, changed=(False,))
+
+    if config.get("auto_map"):
+        return unmodelled(
+            "tokenizer_config.json names remote tokenizer code (auto_map) the engines run "
+            f"with trust_remote_code; kvproxy cannot build {cls or 'it'}"
+        )
+    if not cls and model_type and model_type not in MODEL_TYPE_CLASS:
+        # No declared class: transformers takes config.json's model type's own class.
+        return unmodelled(
+            f"no tokenizer_class: transformers loads the class of model type {model_type!r}, "
+            "which kvproxy does not model"
         )
     as_is = _with_added(spec, _config_added(config, spec, {}))
-    # transformers 5.24 loads a byte-level tokenizer.json declared LlamaTokenizer with the
-    # generic class (AutoTokenizer.from_pretrained: `_tokenizer_json_has_byte_level`, a text
-    # search of the file).
-    if cls in AS_IS or (cls == "LlamaTokenizer" and '"ByteLevel"' in raw):
-        return Pipelines((as_is,), changed=(as_is is not spec,))
-    if cls not in MODELLED:
-        return Pipelines(
-            (spec,),
-            unmodelled=f"transformers builds tokenizer_class {cls!r} from its own defaults "
-            "instead of tokenizer.json, and kvproxy does not model that class",
-            changed=(False,),
-        )
+    specs = [as_is]
+    rebuilt_by: list[str] = []
+    for name in engine_classes(config, raw, model_type):
+        if not name:
+            continue
+        if name not in MODELLED:
+            return unmodelled(
+                f"transformers builds tokenizer class {name!r} from its own defaults instead "
+                "of tokenizer.json, and kvproxy does not model that class"
+            )
+        rebuilt = _rebuild(spec, config, name)
+        if rebuilt is None:
+            return unmodelled(f"transformers rebuilds {name} as BPE; this tokenizer.json is not")
+        if all(counting_view(rebuilt) != counting_view(s) for s in specs):
+            specs.append(rebuilt)
+            rebuilt_by.append(name)
+    changed = (as_is is not spec, *(True for _ in rebuilt_by))
+    if not rebuilt_by:
+        return Pipelines((as_is,), changed=changed)
+    changes = ", ".join(dict.fromkeys(d for r in specs[1:] for d in differs(as_is, r)))
+    note = (
+        f"transformers 5 rebuilds {', '.join(rebuilt_by)} from its own defaults ({changes} "
+        "differ from tokenizer.json): counted with each, the largest"
+    )
+    return Pipelines(tuple(specs), note=note, changed=changed)
+
+
+def _rebuild(spec: dict[str, Any], config: dict[str, Any], cls: str) -> dict[str, Any] | None:
+    """`spec` as class `cls`'s `__init__` rebuilds it (None: the file is not BPE)."""
     model = spec.get("model")
     if not isinstance(model, dict) or model.get("type") != "BPE":
-        return Pipelines(
-            (spec,),
-            unmodelled=f"transformers rebuilds {cls} as BPE; this tokenizer.json is not BPE",
-            changed=(False,),
-        )
+        return None
     build, defaults = MODELLED[cls]
     parts = build(bool(config.get("add_prefix_space") or False))
     rebuilt = dict(spec)
@@ -183,15 +253,7 @@ def engine_pipelines(spec: dict[str, Any], config: dict[str, Any], raw: str) -> 
     rebuilt["added_tokens"] = _with_added(base, _config_added(config, base, defaults))[
         "added_tokens"
     ]
-    if counting_view(rebuilt) == counting_view(as_is):
-        note = f"transformers rebuilds {cls} from its defaults: the same pipeline as the file"
-        return Pipelines((as_is,), note=note, changed=(as_is is not spec,))
-    changes = ", ".join(differs(as_is, rebuilt))
-    note = (
-        f"transformers 5 rebuilds {cls} from its own defaults ({changes} differ from "
-        "tokenizer.json): counted with both, the larger"
-    )
-    return Pipelines((as_is, rebuilt), note=note, changed=(as_is is not spec, True))
+    return rebuilt
 
 
 def counting_view(spec: dict[str, Any]) -> dict[str, Any]:

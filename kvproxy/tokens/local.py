@@ -309,7 +309,7 @@ def load_hf_pipelines(path: str | Path) -> tuple[HfTokenizer, tuple[str, ...]]:
     spec = json.loads(raw)
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text("utf-8")) if config_path.is_file() else {}
-    pipes = engine_pipelines(spec, config, raw)
+    pipes = engine_pipelines(spec, config, raw, _model_type(directory))
     texts = tuple(
         dumps(s) if changed else raw for s, changed in zip(pipes.specs, pipes.changed, strict=True)
     )
@@ -340,6 +340,19 @@ def load_hf_pipelines(path: str | Path) -> tuple[HfTokenizer, tuple[str, ...]]:
         note=pipes.note,
     )
     return hf, texts
+
+
+def _model_type(directory: Path) -> str | None:
+    """config.json's model_type when the tokenizer sits in a model directory (transformers
+    may choose the tokenizer class by it: hfbuild.MODEL_TYPE_CLASS)."""
+    path = directory / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text("utf-8")).get("model_type")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 def _weakest(rules: Sequence[BoundRule | None]) -> BoundRule | None:

@@ -185,6 +185,42 @@ def test_the_probe_line_that_found_it() -> None:
     assert "GPT2Tokenizer" in ours.describe()
 
 
+@pytest.mark.parametrize(
+    ("model", "model_type", "engine_class"),
+    [
+        # config.json's model type sends the declared GPT2Tokenizer back to the file...
+        ("minimax", "minimax_m2", "TokenizersBackend"),
+        # ...or replaces the declared Qwen2Tokenizer by Qwen3_5Tokenizer (the file's regex)...
+        ("qwen-3.5", "qwen3_5", "Qwen3_5Tokenizer"),
+        # ...or leaves the declared class alone.
+        ("minimax-text-01", "minimax", "GPT2Tokenizer"),
+    ],
+)
+def test_config_json_model_type_is_one_of_the_pipelines(
+    tmp_path: Path, model: str, model_type: str, engine_class: str
+) -> None:
+    """A model directory (config.json beside the tokenizer): transformers 5.24 may choose
+    the class by config.json's model type; what it builds is one of kvproxy's pipelines, and
+    kvproxy counts no fewer tokens than it."""
+    src = _without_template(model_dir(model))
+    d = tmp_path / model
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, d / name)
+    (d / "config.json").write_text(json.dumps({"model_type": model_type}), "utf-8")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    assert type(theirs).__name__ == engine_class
+    ours = load_hf(d)
+    built = counting_view(json.loads(theirs.backend_tokenizer.to_str()))
+    pipelines = [ours.tokenizer, *ours.alternates]
+    assert any(counting_view(json.loads(t.to_str())) == built for t in pipelines)
+    for name, text in corpus(7, 40, []).items():
+        n, exact = ours.count((text,))
+        truth = len(theirs.encode(text, add_special_tokens=False))
+        assert n >= truth, name
+        assert n == truth or not exact, name
+
+
 # --- the slow suite: every shipped tokenizer ------------------------------------------------
 
 
@@ -223,12 +259,20 @@ def _with_config(src: Path, dest: Path, config: dict[str, Any]) -> Path:
             {"tokenizer_class": "X", "auto_map": {"AutoTokenizer": [None, "m.XTokenizer"]}},
             "remote tokenizer code",
         ),
+        # A model type whose class transformers 5.24 puts in place of the declared one.
+        ({"tokenizer_class": "GPT2Tokenizer", "model_type": "siglip2"}, "Siglip2Tokenizer"),
+        # No declared class: transformers takes the model type's own.
+        ({"model_type": "llama"}, "class of model type 'llama'"),
     ],
 )
 async def test_an_unmodelled_class_is_decided_on_the_byte_bound(
     trained_bpe_dir: Path, tmp_path: Path, config: dict[str, Any], why: str
 ) -> None:
+    config = dict(config)
+    model_type = config.pop("model_type", None)
     d = _with_config(trained_bpe_dir, tmp_path / "tok", config)
+    if model_type:
+        (d / "config.json").write_text(json.dumps({"model_type": model_type}), "utf-8")
     assert why in (load_hf(d).unmodelled or "")
     counter = build_counter(Settings(tokenizer=f"hf:{d}"))
     try:
