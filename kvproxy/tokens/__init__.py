@@ -15,6 +15,7 @@ else with HF itself; `counter.backend` says which. Modules:
     bounds     byte bounds (NFC rule), safe cut points, template-free overhead   (pure)
     chatnorm   each engine's chat request normalisation (what the template sees)  (pure)
     templates  the model's chat template, rendered as engines render it           (pure)
+    hfbuild    the pipelines transformers may build from a tokenizer directory   (pure)
     local      HF tokenizers and tiktoken, called from worker threads             (threads)
     fast       fastokens, verified against HF at load, else HF                    (threads)
     engine     POST /tokenize on an SGLang or vLLM engine                         (aiohttp)
