@@ -337,9 +337,16 @@ def load_hf_pipelines(path: str | Path) -> tuple[HfTokenizer, tuple[str, ...]]:
         chunkable=all(_hf_chunkable(s) for s in pipes.specs) and all(map(_self_test, toks)),
         origin=str(path),
         unmodelled=pipes.unmodelled,
-        note=pipes.note,
+        note=pipes.note if config_path.is_file() else _BARE_FILE_NOTE,
     )
     return hf, texts
+
+
+# Without tokenizer_config.json kvproxy cannot see the class the engine's directory declares.
+_BARE_FILE_NOTE = (
+    "no tokenizer_config.json beside it: counted as transformers loads a bare tokenizer.json; "
+    "point hf: at the model's tokenizer directory so its declared class is built too"
+)
 
 
 def _model_type(directory: Path) -> str | None:

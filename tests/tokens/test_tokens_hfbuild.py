@@ -317,3 +317,9 @@ def test_a_modelled_rebuild_is_counted_with_both_pipelines(
         len(t.encode(plain, add_special_tokens=False)) for t in (ours.tokenizer, *ours.alternates)
     ]
     assert ours.count((plain,)) == (each[0], each[0] == each[1])
+
+
+def test_a_bare_tokenizer_json_says_it_cannot_see_the_declared_class(
+    trained_bpe_dir: Path,
+) -> None:
+    assert "no tokenizer_config.json" in load_hf(trained_bpe_dir).describe()
