@@ -15,6 +15,7 @@ else with HF itself; `counter.backend` says which. Modules:
     bounds     byte bounds (NFC rule), safe cut points, template-free overhead   (pure)
     chatnorm   each engine's chat request normalisation (what the template sees)  (pure)
     templates  the model's chat template, rendered as engines render it           (pure)
+    hfbuild    the pipelines transformers may build from a tokenizer directory   (pure)
     local      HF tokenizers and tiktoken, called from worker threads             (threads)
     fast       fastokens, verified against HF at load, else HF                    (threads)
     engine     POST /tokenize on an SGLang or vLLM engine                         (aiohttp)
@@ -75,6 +76,8 @@ def build_counter(
         release_load_garbage()
         template = load_template(settings.chat_template, local.template)
         local.template = template
+        if getattr(local, "unmodelled", None):
+            return _bound_only(settings, local, template)
         return _counter(
             settings,
             local.bound_rule,
@@ -93,6 +96,23 @@ def build_counter(
         ) from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"invalid setting tokenizer (KVPROXY_TOKENIZER={spec}): {exc}") from None
+
+
+def _bound_only(settings: Settings, local: Any, template: ChatTemplate | None) -> TokenCounter:
+    """The counter for a tokenizer the engines do not build as its files say, in a way kvproxy
+    does not model (tokens.hfbuild): its counts could fall short of the engine's, so it never
+    counts; requests are decided on the byte bound (fail closed)."""
+    why = f"exact counts are off for {local.origin}: {local.unmodelled}"
+    if local.bound_rule is None:
+        # Not byte-level BPE: no byte bound holds either, so nothing could admit safely.
+        raise ValueError(f"{why}; it has no byte bound either: use tokenizer: engine")
+    description = (
+        f"bytes: UTF-8 byte bound only (NFC rule, + template overhead); {why}. "
+        "Configure tokenizer: engine for exact counts"
+    )
+    # The NFC rule whatever the file says (the engine's normalizer is unknown), and the
+    # unknown-tokenizer allowance for special tokens (its class may add its own).
+    return _counter(settings, "nfc", template, description=description, backend="bytes")
 
 
 def _counter(

@@ -168,7 +168,8 @@ class TokenCounter:
         """One line for the start-up log."""
         template = (self._template.origin or "configured") if self._template else "none"
         head = {
-            "bound": "bytes: UTF-8 byte bound only (NFC rule, + template overhead); safe, but "
+            "bound": self._description
+            or "bytes: UTF-8 byte bound only (NFC rule, + template overhead); safe, but "
             "it rejects some legal prompts near the limit. Configure hf:PATH, tiktoken:PATH "
             "or engine for exact counts",
             "exact": f"exact counts with {self._description}",

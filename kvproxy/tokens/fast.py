@@ -9,7 +9,8 @@ counts, so fastokens counts only a tokenizer it has just agreed with.
 
 At start-up, for each configured tokenizer:
   1. HF loads it (the reference; its bound rule, specials and chunkability decide as today);
-  2. fastokens loads the same JSON text; if it is not installed or cannot load it (an
+  2. fastokens loads the same JSON text (each pipeline's, when the engine may have built
+     more than one: `local`, `hfbuild`); if it is not installed or cannot load one (an
      unsupported pre-tokenizer, a panic), HF counts;
   3. both encode `probe_corpus` (fixed texts plus the tokenizer's own added tokens) with and
      without special tokens, whole and through the production chunking; any difference in
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvproxy.tokens.local import HfTokenizer, load_hf_json, release_load_garbage
+from kvproxy.tokens.local import HfTokenizer, load_hf_pipelines, release_load_garbage
 
 log = logging.getLogger("kvproxy.tokens")
 
@@ -93,10 +94,10 @@ class FastTokenizer(HfTokenizer):
     backend: ClassVar[str] = "fastokens"
     uncut_tokens_max: ClassVar[int | None] = None
 
-    def _batch_tokens(self, batch: list[str]) -> int:
+    def _tokens_with(self, tok: Any, batch: list[str]) -> int:
         # encode_batch releases the GIL (inputs >= 16 KB) and, with FASTOKENS_BPE_THREADS=1,
         # runs on this thread only.
-        encodings = self.tokenizer.encode_batch(batch, add_special_tokens=False)
+        encodings = tok.encode_batch(batch, add_special_tokens=False)
         return sum(len(e) for e in encodings)
 
 
@@ -109,10 +110,12 @@ def load_hf_counting(
     goes wrong with fastokens falls back to HF instead. `load_fast` (tests) replaces
     fastokens' loader: it takes the tokenizer.json text and returns a tokenizer object.
     """
-    hf, raw = load_hf_json(path)
+    hf, texts = load_hf_pipelines(path)
+    if hf.unmodelled:
+        return hf  # never counts (build_counter decides on the byte bound alone)
     loader = load_fast or load_fastokens
     try:
-        fast_tok = loader(raw)
+        fast_toks = [loader(raw) for raw in texts]
     except ImportError:
         log.info("fastokens is not installed: counting %s with HF tokenizers", path)
         return hf
@@ -125,10 +128,11 @@ def load_hf_counting(
             _first_line(exc),
         )
         return hf
-    fast = twin(hf, fast_tok)
+    fast = twin(hf, fast_toks[0], fast_toks[1:])
     # On this thread: run in a passing thread, the check left ~20 MB more behind (glibc
     # keeps that thread's arena), though fastokens frees the thread's own cache with it.
-    why = disagreement(fast, hf, probe_corpus(added_tokens(hf.tokenizer)))
+    specials = [t for tok in (hf.tokenizer, *hf.alternates) for t in added_tokens(tok)]
+    why = disagreement(fast, hf, probe_corpus(list(dict.fromkeys(specials))))
     if why is not None:
         log.warning(
             "fastokens disagrees with HF tokenizers on %s (%s): counting with HF tokenizers",
@@ -138,16 +142,23 @@ def load_hf_counting(
         return hf
     # HF was needed only for the check: its tokenizer (~60 MB for Qwen-3) goes now.
     hf.tokenizer = None
-    del hf, raw
+    hf.alternates = ()
+    del hf, texts
     gc.collect()
     release_load_garbage()
     return fast
 
 
-def twin(hf: HfTokenizer, fast_tok: Any) -> FastTokenizer:
-    """`fast_tok` counting with everything HF's loading decided (bound, specials, chunking)."""
+def twin(hf: HfTokenizer, fast_tok: Any, alternates: Sequence[Any] = ()) -> FastTokenizer:
+    """`fast_tok` (and `alternates`, one per HF alternate pipeline) counting with everything
+    HF's loading decided (bound, specials, chunking)."""
+    if len(alternates) != len(hf.alternates):
+        raise ValueError("fastokens needs one tokenizer per HF pipeline")
     return FastTokenizer(
         tokenizer=fast_tok,
+        alternates=tuple(alternates),
+        unmodelled=hf.unmodelled,
+        note=hf.note,
         bound_rule=hf.bound_rule,
         special_tokens=hf.special_tokens,
         template=hf.template,
@@ -161,25 +172,34 @@ def twin(hf: HfTokenizer, fast_tok: Any) -> FastTokenizer:
 def disagreement(
     fast: FastTokenizer, hf: HfTokenizer, probes: Sequence[tuple[str, str]]
 ) -> str | None:
-    """None when both encode every probe alike; else what differed (probe names only)."""
+    """None when both encode every probe alike, pipeline by pipeline; else what differed
+    (probe names only)."""
+    if len(fast.alternates) != len(hf.alternates):
+        return "fastokens and HF count with different numbers of pipelines"
+    pairs = list(
+        zip((hf.tokenizer, *hf.alternates), (fast.tokenizer, *fast.alternates), strict=True)
+    )
     try:
         for name, text in probes:
-            plain = 0
-            for specials in (False, True):
-                want = hf.tokenizer.encode_batch_fast([text], add_special_tokens=specials)[0].ids
-                got = fast.tokenizer.encode(text, add_special_tokens=specials).ids
-                if list(got) != list(want):
-                    return (
-                        f"probe {name!r}, add_special_tokens={specials}: "
-                        f"{len(got)} vs {len(want)} tokens"
-                    )
-                if not specials:
-                    plain = len(want)
-            # The production path (chunked, batched, summed) against HF on the whole text.
+            plains = []
+            for k, (ref, tok) in enumerate(pairs):
+                where = f"probe {name!r}" + (f" (pipeline {k})" if k else "")
+                for specials in (False, True):
+                    want = ref.encode_batch_fast([text], add_special_tokens=specials)[0].ids
+                    got = tok.encode(text, add_special_tokens=specials).ids
+                    if list(got) != list(want):
+                        return (
+                            f"{where}, add_special_tokens={specials}: "
+                            f"{len(got)} vs {len(want)} tokens"
+                        )
+                    if not specials:
+                        plains.append(len(want))
+            # The production path (chunked, batched, summed) against HF on the whole text:
+            # the largest pipeline's count, exact when they all agree.
             # (Not HfTokenizer.count: it charges an uncuttable giant chunk its bound.)
             counted = fast.count((text,))
-            if counted != (plain, True):
-                return f"probe {name!r} chunked: {counted[0]} vs {plain} tokens"
+            if counted != (max(plains), min(plains) == max(plains)):
+                return f"probe {name!r} chunked: {counted[0]} vs {max(plains)} tokens"
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise

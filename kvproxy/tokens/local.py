@@ -7,6 +7,12 @@ seconds on 4 MB) and tiktoken's `encode_batch`. Text is cut with `bounds.exact_c
 where the tokenizer's pre-tokenizer cuts anyway, so counts stay exact while memory and
 per-call time stay bounded; tokenizers whose family we cannot vouch for are fed whole.
 
+The engines do not always tokenize with tokenizer.json as it is: transformers 5 rebuilds some
+tokenizer classes from their own defaults (`hfbuild`). Loading builds every pipeline an
+engine may have built from the directory, and every count is the largest of their counts:
+exact where they agree, an upper bound where they differ. A class whose rebuild kvproxy does
+not model leaves `unmodelled` set, and the counter does not count with it (fail closed).
+
 Loading inspects the tokenizer once to decide what the byte bound may assume:
   * byte-level BPE with no normalizer: `bytes`; with NFC: `nfc`;
   * anything else (NFKC, SentencePiece/unigram, WordPiece): no guaranteed byte bound, so
@@ -39,6 +45,7 @@ from kvproxy.tokens.bounds import (
     segment_chunks,
     text_bound,
 )
+from kvproxy.tokens.hfbuild import dumps, engine_pipelines
 from kvproxy.tokens.templates import ChatTemplate, from_tokenizer_dir_files
 
 # Chunks per tokenizer call (~256 K characters): the call still runs in parallel, and
@@ -114,6 +121,14 @@ class HfTokenizer:
     # text prompt's count is an upper bound, not exact (engines differ by tokenizer class:
     # transformers 5 adds no BOS to DeepSeek-V3 text whose config asks for one).
     special_tokens_exact: bool = True
+    # Further pipelines the engine may tokenize with (transformers' rebuild of the declared
+    # class, `hfbuild`): every count is the largest over `tokenizer` and these.
+    alternates: tuple[Any, ...] = ()
+    # Why the engine's pipeline is unknown (a class kvproxy does not model): counts of this
+    # tokenizer are never used (build_counter decides on the byte bound alone).
+    unmodelled: str | None = None
+    # One line on how the engine builds this tokenizer, for the start-up log.
+    note: str = ""
     # Which library counts: the `kvproxy_tokenizer_backend` label.
     backend: ClassVar[str] = "hf"
     # Largest bound of an uncuttable chunk that is still encoded (see `_charge`); None:
@@ -144,8 +159,14 @@ class HfTokenizer:
           * so far + the bound of every chunk still to come <= budget: it fits ("upper").
         The rest's bound is computed only once its length alone could fit (a bound is never
         below the character count), so the check costs nothing on the way.
+
+        With several pipelines (`alternates`) each keeps its own sum: the text is over the
+        budget only when it is over it under every pipeline, it fits only when it fits under
+        every one, and the count is exact only when all of them counted the same.
         """
-        counted = charged = 0
+        pipelines = (self.tokenizer, *self.alternates)
+        counted = [0] * len(pipelines)
+        charged = 0
         rest_chars = sum(len(c) for c in chunks)
         upper = False
         i, n = 0, len(chunks)
@@ -162,19 +183,22 @@ class HfTokenizer:
                     charged += bound
                     upper = True
             if batch:
-                counted += self._batch_tokens(batch)
+                for k, tok in enumerate(pipelines):
+                    counted[k] += self._tokens_with(tok, batch)
             if budget is None or i >= n:
                 continue
-            if counted > budget:
-                return Partial(counted, "lower")
-            if self.bound_rule is not None and counted + charged + rest_chars <= budget:
+            if min(counted) > budget:
+                return Partial(min(counted), "lower")
+            most = max(counted)
+            if self.bound_rule is not None and most + charged + rest_chars <= budget:
                 rest = sum(text_bound(c, self.bound_rule) for c in chunks[i:])
-                if counted + charged + rest <= budget:
-                    return Partial(counted + charged + rest, "upper")
-        return Partial(counted + charged, "upper" if upper else "exact")
+                if most + charged + rest <= budget:
+                    return Partial(most + charged + rest, "upper")
+        agree = min(counted) == max(counted)
+        return Partial(max(counted) + charged, "exact" if agree and not upper else "upper")
 
-    def _batch_tokens(self, batch: list[str]) -> int:
-        encodings = self.tokenizer.encode_batch_fast(batch, add_special_tokens=False)
+    def _tokens_with(self, tok: Any, batch: list[str]) -> int:
+        encodings = tok.encode_batch_fast(batch, add_special_tokens=False)
         return sum(len(e) for e in encodings)
 
     def _charge(self, chunk: str) -> int | None:
@@ -209,9 +233,10 @@ class HfTokenizer:
 
     def describe(self) -> str:
         rule = self.bound_rule or "none (always exact)"
+        note = f"; {self.note}" if self.note else ""
         return (
             f"{self.backend} tokenizer {self.origin} (byte bound: {rule}; "
-            f"specials {self.special_tokens})"
+            f"specials {self.special_tokens}{note})"
         )
 
 
@@ -261,6 +286,13 @@ def load_hf(path: str | Path) -> HfTokenizer:
 
 def load_hf_json(path: str | Path) -> tuple[HfTokenizer, str]:
     """`load_hf`, plus the tokenizer.json text it read (for a second backend to load)."""
+    hf, texts = load_hf_pipelines(path)
+    return hf, texts[0]
+
+
+def load_hf_pipelines(path: str | Path) -> tuple[HfTokenizer, tuple[str, ...]]:
+    """`load_hf`, plus the tokenizer.json text of each pipeline it counts with (the file as
+    transformers' generic class loads it, then `alternates`), for a second backend."""
     # One core per count (count_concurrency counts run at once): HF's own thread pool would
     # take every core, including the event loop's. An operator's explicit setting wins.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -275,30 +307,66 @@ def load_hf_json(path: str | Path) -> tuple[HfTokenizer, str]:
         raise ValueError(f"no tokenizer.json at {path}")
     raw = _read_maybe_zipped(p).decode("utf-8")
     spec = json.loads(raw)
-    tok = Tokenizer.from_str(raw)
-    # A tokenizer.json may preset truncation (an under-count: I1) or padding (batches padded
-    # to their longest chunk: an over-count). Engines call the tokenizer with both off
-    # (transformers disables them per call unless asked), so counting does too.
-    tok.no_truncation()
-    tok.no_padding()
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text("utf-8")) if config_path.is_file() else {}
+    pipes = engine_pipelines(spec, config, raw, _model_type(directory))
+    texts = tuple(
+        dumps(s) if changed else raw for s, changed in zip(pipes.specs, pipes.changed, strict=True)
+    )
+    toks = [Tokenizer.from_str(t) for t in texts]
+    for tok in toks:
+        # A tokenizer.json may preset truncation (an under-count: I1) or padding (batches
+        # padded to their longest chunk: an over-count). Engines call the tokenizer with both
+        # off (transformers disables them per call unless asked), so counting does too.
+        tok.no_truncation()
+        tok.no_padding()
     template = from_tokenizer_dir_files(config_path, directory / "chat_template.jinja")
     # transformers' Llama-style classes add BOS/EOS from the config even when tokenizer.json's
     # post-processor does not; counting the larger keeps completions counts from falling short.
     from_config = int(bool(config.get("add_bos_token"))) + int(bool(config.get("add_eos_token")))
-    from_json = int(tok.num_special_tokens_to_add(False))
-    specials = max(from_json, from_config)
+    from_json = [int(tok.num_special_tokens_to_add(False)) for tok in toks]
+    specials = max(*from_json, from_config)
+    rules = [_hf_bound_rule(s) for s in pipes.specs]
     hf = HfTokenizer(
-        tokenizer=tok,
-        bound_rule=_hf_bound_rule(spec),
+        tokenizer=toks[0],
+        alternates=tuple(toks[1:]),
+        bound_rule=_weakest(rules),
         special_tokens=specials,
-        special_tokens_exact=from_json >= from_config,
+        special_tokens_exact=min(from_json) == max(from_json) >= from_config,
         template=template,
-        chunkable=_hf_chunkable(spec) and _self_test(tok),
+        chunkable=all(_hf_chunkable(s) for s in pipes.specs) and all(map(_self_test, toks)),
         origin=str(path),
+        unmodelled=pipes.unmodelled,
+        note=pipes.note if config_path.is_file() else _BARE_FILE_NOTE,
     )
-    return hf, raw
+    return hf, texts
+
+
+# Without tokenizer_config.json kvproxy cannot see the class the engine's directory declares.
+_BARE_FILE_NOTE = (
+    "no tokenizer_config.json beside it: counted as transformers loads a bare tokenizer.json; "
+    "point hf: at the model's tokenizer directory so its declared class is built too"
+)
+
+
+def _model_type(directory: Path) -> str | None:
+    """config.json's model_type when the tokenizer sits in a model directory (transformers
+    may choose the tokenizer class by it: hfbuild.MODEL_TYPE_CLASS)."""
+    path = directory / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text("utf-8")).get("model_type")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def _weakest(rules: Sequence[BoundRule | None]) -> BoundRule | None:
+    """The byte bound every pipeline keeps: none if one has none, NFC's if one needs it."""
+    if any(r is None for r in rules):
+        return None
+    return "nfc" if "nfc" in rules else "bytes"
 
 
 def release_load_garbage() -> None:
