@@ -165,6 +165,9 @@ def _content(content: Any, p: str, texts: list[str]) -> tuple[int, int]:
         if not isinstance(part, dict):
             raise invalid_request(f"{pp} must be an object", pp)
         kind = part.get("type")
+        if kind is not None and not isinstance(kind, str):
+            # Checked before any set lookup: a list or object here is unhashable.
+            raise invalid_request(f"{pp}.type must be a string", f"{pp}.type")
         if kind in TEXT_PART_TYPES:
             key = "refusal" if kind == "refusal" else "text"
             text = part.get(key)

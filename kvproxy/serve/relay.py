@@ -368,7 +368,7 @@ class Exchange:
         err = errors.upstream_failure("timeout", "TimeoutError")
         self.record.upstream_outcome = err.code
         self.services.metrics.upstream_errors.labels(err.code).inc()
-        self.services.metrics.deferred_in_progress.inc()
+        self.services.metrics.deferred_in_progress.labels(self.record.upstream_label).inc()
         if self.client is not None:
             await self._end_stream_with_error(err)
             return

@@ -161,6 +161,18 @@ def test_generate_shapes() -> None:
             {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
             "messages[0].content[0].text",
         ),
+        # Unhashable part types (found by tests/hostile/test_hostile_live.py as a 500).
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": []}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}]},
+            "messages[0].content[0].type",
+        ),
+        ("generate", {"text": "a", "sampling_params": []}, "sampling_params"),
         ("chat", {"messages": [{"role": "user", "content": "x", "name": 1}]}, "messages[0].name"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": {}}, "tools"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
