@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 _NOT_LOGGED = frozenset(
     {
         "request", "services", "state", "match", "style", "body", "headers", "reply_headers",
-        "model_services", "shape", "verdict", "lease", "started",
+        "model_services", "shape", "verdict", "lease", "started", "body_at",
     }
 )  # fmt: skip
 
@@ -78,6 +78,8 @@ class RequestContext:
     shape: PromptShape | None = None
     verdict: Admit | None = None
     lease: Lease | None = None
+    # When the whole body had arrived (monotonic; 0: not read): kvproxy's own time starts here.
+    body_at: float = 0.0
 
     @property
     def streaming(self) -> bool:
@@ -94,6 +96,14 @@ class RequestContext:
         if self.lease is not None:
             self.lease.release()
             self.lease = None
+
+    def overhead_s(self, now: float) -> float:
+        """kvproxy's own time until `now`: since the body arrived (the head, for a request
+        answered before reading it), less the wait for in-flight budget (a policy's queue,
+        measured apart by kvproxy_queue_wait_seconds)."""
+        since = self.body_at or self.started
+        waited = self.lease.waited_s if self.lease is not None else 0.0
+        return max(0.0, now - since - waited)
 
     def finish(self) -> None:
         self.duration_s = round(time.monotonic() - self.started, 6)

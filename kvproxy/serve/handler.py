@@ -132,6 +132,10 @@ async def _run(ctx: RequestContext, stages: tuple[Stage, ...]) -> web.StreamResp
         extra_headers=ctx.reply_headers,
         style=ctx.style,
     )
+    decision = ctx.decision
+    ctx.services.metrics.overhead.labels(ctx.route, decision, "request").observe(
+        ctx.overhead_s(time.monotonic())
+    )
     try:
         target = ctx.request.rel_url.raw_path_qs
         resp = await exchange.run(ctx.upstream_url, ctx.method, target, ctx.headers, ctx.body)
@@ -146,6 +150,9 @@ async def _run(ctx: RequestContext, stages: tuple[Stage, ...]) -> web.StreamResp
 
 def _refuse(ctx: RequestContext, err: KvproxyError) -> web.Response:
     """The one way a request is refused: nothing of it was sent upstream (I7)."""
+    ctx.services.metrics.overhead.labels(ctx.route, "rejected", "request").observe(
+        ctx.overhead_s(time.monotonic())
+    )
     ctx.release_lease()
     ctx.decision = "rejected"
     ctx.reason = err.reason
@@ -202,6 +209,7 @@ async def read_body(ctx: RequestContext) -> Stop | None:
         return ABANDONED  # it left mid-upload: nothing was sent upstream
     ctx.body = body
     ctx.bytes_in = len(body)
+    ctx.body_at = time.monotonic()
     return None
 
 
