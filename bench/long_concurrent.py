@@ -164,14 +164,15 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
         return "matplotlib is not installed (pip install -e '.[bench]'): no plot"
     fig, axes = plt.subplots(1, len(SIZES), figsize=(11, 4.2), squeeze=False)
     for ax, size in zip(axes[0], SIZES, strict=True):
-        for name, sizes in results.items():
+        for i, (name, sizes) in enumerate(results.items()):
             if name == "direct" or size not in sizes:
                 continue
+            # One colour per target: p50 solid, p99 dashed.
             for q, dash in (("p50", "-"), ("p99", "--")):
                 xs = [c for c in CONCURRENCY if f"added_ms_{q}" in sizes[size].get(str(c), {})]
                 ys = [max(0.01, sizes[size][str(c)][f"added_ms_{q}"]) for c in xs]
                 if xs:
-                    ax.plot(xs, ys, dash, marker="o", label=f"{name} {q}")
+                    ax.plot(xs, ys, dash, color=f"C{i}", marker="o", label=f"{name} {q}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(list(CONCURRENCY), [str(c) for c in CONCURRENCY])
