@@ -65,7 +65,7 @@ run: $(STAMP)
 # runs (the `kvproxy` subprocesses tests start are not measured) and held to the floor in
 # pyproject.toml ([tool.coverage.report] fail_under) by the second run.
 # Three workers on two cores: a third of the suite's time is spent waiting (subprocesses
-# starting, servers answering, sleeps), which a third worker fills (README, Commands).
+# starting, servers answering, sleeps), which a third worker fills (docs/development.md, Commands).
 TEST_WORKERS ?= 3
 PYTEST_ARGS := -q -p no:cacheprovider
 test: $(STAMP) sysdeps

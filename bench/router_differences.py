@@ -1,6 +1,6 @@
 """Measure, on loopback against the simulator, what the real router does in the three cases
 kvproxy's design depends on: a client leaving during prefill, a 400 from prefill, and other
-prefill errors (retries). Run for smg 1.13.0 and for sglang-router 0.3.2; the README quotes
+prefill errors (retries). Run for smg 1.13.0 and for sglang-router 0.3.2; docs/engines.md quotes
 the output.
 
     PYTHONPATH=. .venv/bin/python bench/router_differences.py smg

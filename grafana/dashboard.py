@@ -338,9 +338,9 @@ REJECTIONS = Row(
             "Exact count withheld: unverified request features (/s)",
             "timeseries",
             "Requests decided by the guaranteed bound because they use a feature kvproxy's exact "
-            "count is not verified for on the engines and router in front (README: where the "
-            "exact count is verified), by feature. Near the limit such requests are refused "
-            "where an exact count might have admitted them.",
+            "count is not verified for on the engines and router in front (docs/counting.md: "
+            "where the exact count is verified), by feature. Near the limit such requests are "
+            "refused where an exact count might have admitted them.",
             (
                 Query(
                     f"sum by (feature) (rate({sel('kvproxy_unverified_features_total')}[{RATE}]))",

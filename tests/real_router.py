@@ -48,7 +48,7 @@ class RealRouter:
 
 def smg_binary() -> str:
     """The smg 1.13.0 binary: ``$KVPROXY_SMG``, else ``.venv-smg/bin/smg`` in this checkout.
-    Missing: skip (``make smg`` installs it). Another version: fail, since the README's
+    Missing: skip (``make smg`` installs it). Another version: fail, since docs/engines.md's
     measured differences are for this one."""
     path = Path(os.environ.get("KVPROXY_SMG") or SMG_BIN)
     if not path.exists():

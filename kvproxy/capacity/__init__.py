@@ -7,7 +7,7 @@ The request path calls `CapacityMonitor.limits()` (cheap); the admin app serves 
 """
 
 from kvproxy.capacity.discovery import expand_engine, system_resolver
-from kvproxy.capacity.limits import held_context, limits_for
+from kvproxy.capacity.limits import Limits, held_context, limits_for
 from kvproxy.capacity.measurement import EngineMeasurement, ProbeError
 from kvproxy.capacity.monitor import CapacityMonitor
 from kvproxy.capacity.probes import probe_engine
@@ -15,6 +15,7 @@ from kvproxy.capacity.probes import probe_engine
 __all__ = [
     "CapacityMonitor",
     "EngineMeasurement",
+    "Limits",
     "ProbeError",
     "expand_engine",
     "held_context",

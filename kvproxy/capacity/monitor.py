@@ -37,7 +37,7 @@ from kvproxy.capacity.measurement import EngineMeasurement, ProbeError, Role
 from kvproxy.capacity.posture import PostureTracker
 from kvproxy.capacity.probes import probe_engine
 from kvproxy.capacity.router import Detection, detect_router
-from kvproxy.config import IMPLICIT_MODEL, EngineSpec, Settings
+from kvproxy.config import IMPLICIT_CLUSTER, IMPLICIT_MODEL, EngineSpec, Settings
 from kvproxy.observe import Metrics
 from kvproxy.tokens import Verifier
 
@@ -84,13 +84,21 @@ class CapacityMonitor:
         wall_clock: Callable[[], float] = time.time,
         model: str = IMPLICIT_MODEL,
         verifier: Verifier | None = None,
+        upstream: str = IMPLICIT_CLUSTER,
+        publish_model: bool = True,
     ) -> None:
         self._settings = settings
         # Fed each refresh's engine versions and the detected router (kvproxy.tokens.verified).
         self.verifier = verifier
         self._router_checked_mono: float | None = None
-        # The `model` label of the limit gauges (kvproxy.serve.models: one monitor per model).
+        # The `model` label of the limit gauges (kvproxy.serve.models: one monitor per model's
+        # cluster), and the cluster's name (`upstream`). A model of several clusters publishes
+        # its own model-wide limit gauges (the largest any cluster offers): `publish_model`
+        # False leaves them to it.
         self._model = model
+        self._upstream = upstream
+        self._publish_model = publish_model
+        self._pool_tokens: int | None = None
         self._metrics = metrics
         self._session = session
         self._own_session = False
@@ -164,6 +172,12 @@ class CapacityMonitor:
 
     def ready(self) -> bool:
         return self.limits().known
+
+    def pool_tokens(self) -> int | None:
+        """The prompt tokens the admitting engines (prefill, unified) hold at once: the sum of
+        their fresh pools, None while none is fresh. Routing weighs in-flight load by it."""
+        self.limits()  # recomputes when a measurement aged out
+        return self._pool_tokens
 
     def retry_after_s(self) -> int:
         """Seconds until a fresh measurement can reasonably exist (for Retry-After)."""
@@ -365,6 +379,8 @@ class CapacityMonitor:
                 fresh.append(st.measurement)
             else:
                 unknown[st.label] = st.spec.role
+        admitting = [m.pool_tokens for m in fresh if m.role in ("prefill", "unified")]
+        self._pool_tokens = sum(admitting) if admitting else None
         return limits_for(self._settings, fresh, unknown)
 
     def _recompute(self, now: float) -> None:
@@ -409,11 +425,22 @@ class CapacityMonitor:
         mx = self._metrics
         # 0 means "unknown" on the dashboards (the metric help text says so).
         model = self._model
-        mx.admission_limit.labels(model).set(
-            (limits.admission_limit_tokens or 0) if limits.known else 0
-        )
-        mx.decode_limit.labels(model).set((limits.decode_limit_tokens or 0) if limits.known else 0)
-        mx.capacity_known.labels(model).set(1 if limits.known else 0)
+        known = limits.known and limits.admission_limit_tokens is not None
+        if self._publish_model:
+            mx.admission_limit.labels(model).set(
+                (limits.admission_limit_tokens or 0) if limits.known else 0
+            )
+            mx.decode_limit.labels(model).set(
+                (limits.decode_limit_tokens or 0) if limits.known else 0
+            )
+            mx.capacity_known.labels(model).set(1 if limits.known else 0)
+        mx.upstream_capacity_known.labels(model, self._upstream).set(1 if known else 0)
+        if known:
+            mx.upstream_limit.labels(model, self._upstream).set(limits.admission_limit_tokens or 0)
+        else:
+            # Absent while unmeasured: a 0 would read as a cluster that holds nothing.
+            with contextlib.suppress(KeyError):
+                mx.upstream_limit.remove(model, self._upstream)
 
     # --- admin surface ----------------------------------------------------------------
 

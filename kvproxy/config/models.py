@@ -29,8 +29,14 @@ from kvproxy.policy import parse_origin
 
 # Names travel in metric labels and logs: bounded length, no whitespace or control bytes.
 NAME_PATTERN = r"^[^\s\x00-\x1f]{1,128}$"
+# A cluster's name is the value of the `upstream` metric label (docs: gateway contract).
+CLUSTER_NAME_PATTERN = r"^[^\s\x00-\x1f\x7f]{1,64}$"
 # The name of the one model of the single-model form (its `model` metric label).
 IMPLICIT_MODEL = "default"
+# The name of the one cluster of a model configured with `upstream` and `engines`.
+IMPLICIT_CLUSTER = "default"
+# An HTTP header name (RFC 9110 token): the affinity header is read, never forwarded changed.
+HEADER_NAME_PATTERN = r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,64}$"
 # What sits between kvproxy and the engines (kvproxy.tokens.verified): auto detects it.
 RouterSetting = Literal["auto", "none", "smg", "sglang-router", "vllm-router"]
 
@@ -93,6 +99,28 @@ def check_upstream(v: str) -> str:
     return v
 
 
+class UpstreamCluster(BaseModel):
+    """One PD cluster serving a model (gateway mode): its router, the engines kvproxy
+    measures for it alone, and its share of the traffic among the clusters a request fits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=CLUSTER_NAME_PATTERN)
+    url: str
+    engines: tuple[EngineSpec, ...] = Field(min_length=1)
+    # The share of traffic among the clusters that fit a request (kvproxy.policy.routing).
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    # What this cluster's router is; unset: the model's router_kind.
+    router_kind: RouterSetting | None = None
+    # Its Redis budget pool; unset: `<model's pool or name>/<cluster name>` (one per pool).
+    budget_pool: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return check_upstream(v)
+
+
 class ModelFields(BaseModel):
     """The settings that belong to one model's engines (the top level or a `models` entry)."""
 
@@ -122,11 +150,33 @@ class ModelFields(BaseModel):
     # The Redis budget's pool: one per engine pool; unset, the model's name ("default" for
     # the single-model form), so replicas in front of the same engines share it.
     budget_pool: str | None = Field(default=None, min_length=1, max_length=128)
+    # Gateway mode: several PD clusters for this model, each measured on its own (its own
+    # `engines`, so none at this level) and picked per request by fit, then load
+    # (kvproxy.policy.routing). Unset: one cluster, `IMPLICIT_CLUSTER`, of `engines`.
+    upstreams: tuple[UpstreamCluster, ...] = ()
 
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer(cls, v: str) -> str:
         return check_tokenizer(v)
+
+    @field_validator("upstreams")
+    @classmethod
+    def _unique_clusters(cls, v: tuple[UpstreamCluster, ...]) -> tuple[UpstreamCluster, ...]:
+        seen: set[str] = set()
+        for cluster in v:
+            if cluster.name in seen:
+                raise ValueError(f"cluster name {cluster.name!r} is used twice in upstreams")
+            seen.add(cluster.name)
+        return v
+
+    @model_validator(mode="after")
+    def _clusters_or_engines(self) -> ModelFields:
+        # A pool belongs to one cluster's engines: engines beside upstreams would be measured
+        # for no router, or for all of them (an I1 risk), so the two forms never mix.
+        if self.upstreams and "engines" in self.model_fields_set:
+            raise ValueError("engines cannot be set next to upstreams: set them in each cluster")
+        return self
 
 
 # Declared once, above; `Settings` refuses them at the top level next to `models`.
@@ -145,6 +195,9 @@ class ModelSpec(ModelFields):
     upstream: str | None = None
     # What that router is; unset: the top-level `router_kind`.
     router_kind: RouterSetting | None = None
+    # The header whose value is hashed over the candidate clusters; unset: the top-level
+    # `affinity_header`.
+    affinity_header: str | None = Field(default=None, pattern=HEADER_NAME_PATTERN)
 
     @field_validator("aliases")
     @classmethod
@@ -159,12 +212,13 @@ class ModelSpec(ModelFields):
     def _upstream(cls, v: str | None) -> str | None:
         return None if v is None else check_upstream(v)
 
-    @field_validator("engines")
-    @classmethod
-    def _has_engines(cls, v: tuple[EngineSpec, ...]) -> tuple[EngineSpec, ...]:
-        if not v:
-            raise ValueError("a models entry needs at least one engine")
-        return v
+    @model_validator(mode="after")
+    def _has_engines(self) -> ModelSpec:
+        if not self.engines and not self.upstreams:
+            raise ValueError("a models entry needs at least one engine (or upstreams)")
+        if self.upstreams and self.upstream is not None:
+            raise ValueError("upstream cannot be set next to upstreams: each cluster has its url")
+        return self
 
     @property
     def names(self) -> tuple[str, ...]:

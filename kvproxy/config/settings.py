@@ -9,7 +9,7 @@ into exit code 2.
 `load_settings` is the one loader (serve, demo, check): it reads the environment and never
 writes it, so the config path travels as an argument, not through `os.environ`.
 
-Every default here is a safety decision; the README explains each one.
+Every default here is a safety decision; docs/configuration.md explains each one.
 """
 
 from __future__ import annotations
@@ -38,11 +38,14 @@ from pydantic_settings import (
 )
 
 from kvproxy.config.models import (
+    HEADER_NAME_PATTERN,
+    IMPLICIT_CLUSTER,
     IMPLICIT_MODEL,
     PER_MODEL_FIELDS,
     ModelFields,
     ModelSpec,
     RouterSetting,
+    UpstreamCluster,
     check_entries,
     check_upstream,
 )
@@ -105,7 +108,7 @@ class Settings(ModelFields, BaseSettings):
     max_request_headers: int = Field(default=100, ge=1, le=128)
     # X-Forwarded-For gets the peer's address appended. Set, the number of proxies in front
     # of kvproxy that append to it: only their addresses are kept (0: only the peer's, and
-    # the client's Forwarded / X-Real-IP / X-Forwarded-* are dropped). README "Headers".
+    # the client's Forwarded / X-Real-IP / X-Forwarded-* are dropped). docs/routes.md "Headers".
     forwarded_trusted_hops: int | None = Field(default=None, ge=0, le=16)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     # Worst time between two upstream reads: a 1M-token prefill can take minutes before the
@@ -121,6 +124,16 @@ class Settings(ModelFields, BaseSettings):
     # is a 502. Envoy's defaults (60 KiB, 100 fields); a router's head is under 1 KiB.
     upstream_max_head_bytes: int = Field(default=60 * 1024, ge=1024)
     upstream_max_headers: int = Field(default=100, ge=1)
+    # Gateway mode (`upstreams`): a cluster whose router refused a connection or answered
+    # 5xx gets no request for this long while another cluster fits it, doubling per
+    # consecutive ejection up to the max (Envoy's outlier detection: base_ejection_time 30 s,
+    # max_ejection_time 300 s; shorter here because the capacity probes watch the engines
+    # too, and a cluster of one router has no other host to absorb its share).
+    upstream_eject_s: float = Field(default=10.0, gt=0)
+    upstream_eject_max_s: float = Field(default=120.0, gt=0)
+    # The header whose value is hashed over a model's candidate clusters (rendezvous
+    # hashing: a conversation keeps its prefix cache); a models entry may name its own.
+    affinity_header: str | None = Field(default=None, pattern=HEADER_NAME_PATTERN)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
     # --- capacity (the engines and declared context: ModelFields) -------------------------
@@ -245,6 +258,10 @@ class Settings(ModelFields, BaseSettings):
     def _coherent(self) -> Settings:
         if self.capacity_stale_s < self.capacity_refresh_s:
             raise ValueError("capacity_stale_s must be >= capacity_refresh_s")
+        if self.upstream_eject_max_s < self.upstream_eject_s:
+            raise ValueError("upstream_eject_max_s must be >= upstream_eject_s")
+        if self.upstreams and "upstream" in self.model_fields_set:
+            raise ValueError("upstream cannot be set next to upstreams: each cluster has its url")
         if self.budget_backend == "redis" and self.redis_url is None:
             raise ValueError("budget_backend redis needs redis_url")
         from kvproxy.posture import load_table  # pure: imports nothing of config
@@ -271,7 +288,14 @@ class Settings(ModelFields, BaseSettings):
         # Constructed, not validated again: these fields were validated as settings (the
         # single-model form may run with no engines at all, and is then never ready).
         return (
-            ModelSpec.model_construct(name=IMPLICIT_MODEL, aliases=(), upstream=None, **fields),
+            ModelSpec.model_construct(
+                name=IMPLICIT_MODEL,
+                aliases=(),
+                upstream=None,
+                router_kind=None,
+                affinity_header=None,
+                **fields,
+            ),
         )
 
     def for_model(self, spec: ModelSpec) -> Settings:
@@ -284,6 +308,51 @@ class Settings(ModelFields, BaseSettings):
         update["upstream"] = spec.upstream or self.upstream
         update["router_kind"] = spec.router_kind or self.router_kind
         return self.model_copy(update=update)
+
+    def clusters(self, spec: ModelSpec) -> tuple[UpstreamCluster, ...]:
+        """The model's upstream clusters, each complete (its router kind in place): its
+        `upstreams`, or the one implicit cluster (`IMPLICIT_CLUSTER`) of its router URL and
+        engines, which is every config without `upstreams`."""
+        router_kind = spec.router_kind or self.router_kind
+        if spec.upstreams:
+            return tuple(
+                c
+                if c.router_kind is not None
+                else c.model_copy(update={"router_kind": router_kind})
+                for c in spec.upstreams
+            )
+        # Constructed: the single-model form may run with no engines (never ready).
+        return (
+            UpstreamCluster.model_construct(
+                name=IMPLICIT_CLUSTER,
+                url=spec.upstream or self.upstream,
+                engines=spec.engines,
+                weight=1.0,
+                router_kind=router_kind,
+                budget_pool=None,
+            ),
+        )
+
+    def for_cluster(self, spec: ModelSpec, cluster: UpstreamCluster) -> Settings:
+        """The complete settings one cluster's monitor and budget are built from: the
+        model's (`for_model`), with the cluster's engines, router and budget pool. The
+        implicit cluster's are the model's own, unchanged."""
+        ms = self.for_model(spec)
+        if not spec.upstreams:
+            return ms
+        pool = cluster.budget_pool or f"{spec.budget_pool or spec.name}/{cluster.name}"
+        return ms.model_copy(
+            update={
+                "engines": cluster.engines,
+                "upstream": cluster.url,
+                "router_kind": cluster.router_kind or ms.router_kind,
+                "budget_pool": pool,
+            }
+        )
+
+    def affinity_for(self, spec: ModelSpec) -> str | None:
+        """The model's affinity header: its own, else the top-level one."""
+        return spec.affinity_header or self.affinity_header
 
     def redis_password_value(self) -> str | None:
         """The Redis password from the file or the setting (the file wins); never logged."""

@@ -3,6 +3,14 @@ JSON-lines logging with the one access line per request (`logs`). Never prompt o
 completion text (I8)."""
 
 from kvproxy.observe.logs import ACCESS_LOGGER, emit_access, log_event, setup_logging
-from kvproxy.observe.metrics import UNKNOWN_MODEL, Metrics
+from kvproxy.observe.metrics import IMPLICIT_UPSTREAM, UNKNOWN_MODEL, Metrics
 
-__all__ = ["ACCESS_LOGGER", "UNKNOWN_MODEL", "Metrics", "emit_access", "log_event", "setup_logging"]
+__all__ = [
+    "ACCESS_LOGGER",
+    "IMPLICIT_UPSTREAM",
+    "UNKNOWN_MODEL",
+    "Metrics",
+    "emit_access",
+    "log_event",
+    "setup_logging",
+]

@@ -15,7 +15,13 @@ from typing import Any, Self, get_args
 import prometheus_client
 from prometheus_client import CollectorRegistry
 
-from kvproxy.policy import DEFERRED_OUTCOMES, DISCONNECT_PHASES, CountMethod
+from kvproxy.policy import (
+    DEFERRED_OUTCOMES,
+    DISCONNECT_PHASES,
+    EJECTION_CAUSES,
+    ROUTING_REASONS,
+    CountMethod,
+)
 
 # Seconds: a 1M-token prefill can take minutes; default buckets stop at 10 s.
 LONG_SECONDS = (
@@ -47,6 +53,9 @@ REDIS_UNAVAILABLE_POLICIES = ("local_share", "reject")
 # the single-model form), and one bounded value for a request no configured model was
 # resolved for (an unknown name, a pass-through or refused route).
 UNKNOWN_MODEL = "_unknown"
+# The `upstream` label of the implicit cluster (kvproxy.config.IMPLICIT_CLUSTER's value: the
+# observe layer does not import config) and of a pass-through route's router.
+IMPLICIT_UPSTREAM = "default"
 
 
 # Children remembered per labelled metric: label values come from closed sets (routes,
@@ -152,8 +161,8 @@ class Metrics:
         )
         self.client_disconnects = Counter(
             "kvproxy_client_disconnects_total",
-            "Clients that went away before their response ended, by phase.",
-            ["phase"],
+            "Clients that went away before their response ended, by phase and upstream cluster.",
+            ["phase", "upstream"],
             registry=r,
         )
         self.event_loop_lag = Histogram(
@@ -297,20 +306,22 @@ class Metrics:
         # --- deferred cancellation and budget ---------------------------------------------
         self.deferred_total = Counter(
             "kvproxy_deferred_cancellations_total",
-            "Upstream closes deferred after a client disconnect, by outcome.",
-            ["outcome"],
+            "Upstream closes deferred after a client disconnect, by outcome and upstream cluster.",
+            ["outcome", "upstream"],
             registry=r,
         )
         self.deferred_duration = Histogram(
             "kvproxy_deferred_cancellation_duration_seconds",
-            "Time an upstream was kept open after its client left, by outcome.",
-            ["outcome"],
+            "Time an upstream was kept open after its client left, by outcome and upstream "
+            "cluster.",
+            ["outcome", "upstream"],
             buckets=DEFERRED_SECONDS,
             registry=r,
         )
         self.deferred_in_progress = Gauge(
             "kvproxy_deferred_cancellations_in_progress",
-            "Upstreams currently kept open for a client that has gone.",
+            "Upstreams currently kept open for a client that has gone, by upstream cluster.",
+            ["upstream"],
             registry=r,
         )
         self.discarded_tokens = Counter(
@@ -384,6 +395,53 @@ class Metrics:
             registry=r,
         )
 
+        # --- gateway mode: a model's upstream clusters (kvproxy.policy.routing) -------------
+        # `upstream` is a configured cluster's name (the implicit one: "default"), never a
+        # value from a request: the label set is bounded by the config.
+        self.routing_decisions = Counter(
+            "kvproxy_routing_decisions_total",
+            "Requests sent to an upstream cluster, by model, cluster and why it was picked "
+            "(fit: least load among the clusters that hold it; affinity: the affinity "
+            "header's cluster; retry: moved after a connect failure).",
+            ["model", "upstream", "reason"],
+            registry=r,
+        )
+        self.upstream_ejections = Counter(
+            "kvproxy_upstream_ejections_total",
+            "Passive ejections of an upstream cluster, by model, cluster and cause (connect: "
+            "its router refused or dropped the connection before any byte was sent; "
+            "status_5xx: it answered 5xx).",
+            ["model", "upstream", "cause"],
+            registry=r,
+        )
+        self.upstream_ejected = Gauge(
+            "kvproxy_upstream_ejected",
+            "1 while the upstream cluster is ejected (passive health back-off), else 0.",
+            ["model", "upstream"],
+            registry=r,
+        )
+        self.upstream_inflight_tokens = Gauge(
+            "kvproxy_upstream_inflight_prompt_tokens",
+            "Prompt tokens held by requests whose upstream is open, by model and cluster.",
+            ["model", "upstream"],
+            registry=r,
+        )
+        # Uncached children: the series is removed while the cluster is unmeasured, and a
+        # cached child would outlive its removal (`_CachedLabels`).
+        self.upstream_limit = prometheus_client.Gauge(
+            "kvproxy_upstream_limit_tokens",
+            "The cluster's published limit (largest prompt admitted with one output token); "
+            "absent while the cluster is unmeasured.",
+            ["model", "upstream"],
+            registry=r,
+        )
+        self.upstream_capacity_known = Gauge(
+            "kvproxy_upstream_capacity_known",
+            "1 while every engine of the cluster has a fresh measurement, else 0.",
+            ["model", "upstream"],
+            registry=r,
+        )
+
         # --- isolation --------------------------------------------------------------------
         self.canary_violations = Counter(
             "kvproxy_canary_violations_total",
@@ -394,11 +452,9 @@ class Metrics:
 
         # Pre-create the label sets dashboards and alerts read, so a fresh proxy exports 0
         # rather than nothing (rate() over a missing series is empty, not zero).
-        for outcome in DEFERRED_OUTCOMES:
-            self.deferred_total.labels(outcome)
-            self.deferred_duration.labels(outcome)
-        for phase in DISCONNECT_PHASES:
-            self.client_disconnects.labels(phase)
+        # Each cluster's deferral series are pre-created by `add_cluster`; the implicit
+        # cluster's name here too: a pass-through route's upstream is counted under it.
+        self._add_upstream(IMPLICIT_UPSTREAM)
         for backend in TOKENIZER_BACKENDS:
             self.tokenizer_backend.labels(backend)
         for policy in REDIS_UNAVAILABLE_POLICIES:
@@ -412,6 +468,24 @@ class Metrics:
         for method in COUNT_METHODS:
             self.prompt_tokens.labels(method, model)
         self.token_bound_exceeded.labels(model)
+
+    def add_cluster(self, model: str, upstream: str) -> None:
+        """Pre-create one cluster's series (kvproxy.serve.models calls it once per configured
+        cluster), so an alert on a cluster's ejections or deferrals sees 0, not nothing."""
+        self._add_upstream(upstream)
+        for reason in ROUTING_REASONS:
+            self.routing_decisions.labels(model, upstream, reason)
+        for cause in EJECTION_CAUSES:
+            self.upstream_ejections.labels(model, upstream, cause)
+        self.upstream_ejected.labels(model, upstream).set(0)
+
+    def _add_upstream(self, upstream: str) -> None:
+        for outcome in DEFERRED_OUTCOMES:
+            self.deferred_total.labels(outcome, upstream)
+            self.deferred_duration.labels(outcome, upstream)
+        for phase in DISCONNECT_PHASES:
+            self.client_disconnects.labels(phase, upstream)
+        self.deferred_in_progress.labels(upstream)
 
     def set_tokenizer_backend(self, backend: str) -> None:
         """Exactly one backend reads 1: the one the token counter uses."""

@@ -2,11 +2,12 @@
 
 `errors` is the vocabulary of every outcome kvproxy answers itself; `admission` decides
 admit or refuse (I1, I3, I4) on a count and the limits; `drain` is the deferred-cancellation
-machine (I5); `routes` the allowlist; `origin` where an upstream URL points; `clamp` rewrites
+machine (I5); `routing` picks a model's upstream cluster by fit, then load; `routes` the
+allowlist; `origin` where an upstream URL points; `clamp` rewrites
 an output cap; `tenants` says whose request it is; `counts` is the one count type.
 """
 
-from kvproxy.policy import admission, drain, errors
+from kvproxy.policy import admission, drain, errors, routing
 from kvproxy.policy.admission import Admit
 from kvproxy.policy.clamp import clamp_output
 from kvproxy.policy.counts import CountMethod, TokenCount
@@ -22,13 +23,16 @@ from kvproxy.policy.errors import (
 )
 from kvproxy.policy.origin import Origin, parse_origin
 from kvproxy.policy.routes import CHAT_ROUTES, Route, RouteMatch, parse_passthrough, route_table
+from kvproxy.policy.routing import EJECTION_CAUSES, ROUTING_REASONS
 from kvproxy.policy.tenants import TenantResolver, sanitize_tenant
 
 __all__ = [
     "CHAT_ROUTES",
     "DEFERRED_OUTCOMES",
     "DISCONNECT_PHASES",
+    "EJECTION_CAUSES",
     "ERROR_CODE_HEADER",
+    "ROUTING_REASONS",
     "Admit",
     "ConfigError",
     "CountMethod",
@@ -49,5 +53,6 @@ __all__ = [
     "parse_origin",
     "parse_passthrough",
     "route_table",
+    "routing",
     "sanitize_tenant",
 ]  # fmt: skip

@@ -199,7 +199,15 @@ def _too_long(count: TokenCount, shape: ShapeView, limits: LimitsView) -> Reject
         # bound, so the client can send a plain body and the operator can see why.
         why += "; " + errors.unverified_note(count.unverified, count.verified_for)
     elif not count.exact and not count.at_least:
-        why += "; counted by a byte bound, configure KVPROXY_TOKENIZER for exact counts"
+        if count.method == "bound":
+            why += "; counted by a byte bound, configure KVPROXY_TOKENIZER for exact counts"
+        else:
+            # The tokenizer counted, but what it counted was an upper estimate of the render
+            # (the engine's /tokenize without the chat template): the template is missing.
+            why += (
+                "; an upper count: kvproxy does not know this model's chat template, "
+                "configure KVPROXY_CHAT_TEMPLATE (or KVPROXY_TOKENIZER=hf:PATH) for exact counts"
+            )
     return Reject(
         errors.context_length_exceeded(
             count.tokens,

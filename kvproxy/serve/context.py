@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.policy import Admit, ErrorStyle
+from kvproxy.observe import IMPLICIT_UPSTREAM
+from kvproxy.policy import Admit, ErrorStyle, TokenCount
 from kvproxy.prompt import PromptShape
 
 if TYPE_CHECKING:
     from kvproxy.budget import Lease
     from kvproxy.policy import RouteMatch
-    from kvproxy.serve.models import ModelServices
+    from kvproxy.serve.models import ClusterServices, ModelServices
     from kvproxy.serve.state import ServerState, Services
 
 # Fields of the context that are not part of the access line: the request's objects, and
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 _NOT_LOGGED = frozenset(
     {
         "request", "services", "state", "match", "style", "body", "headers", "reply_headers",
-        "model_services", "shape", "verdict", "lease", "started", "body_at",
+        "model_services", "cluster", "shape", "count", "verdict", "lease", "started",
+        "unclamped", "tried", "body_at",
     }
 )  # fmt: skip
 
@@ -56,6 +58,8 @@ class RequestContext:
     tenant: str | None = None
     # The configured model the request was admitted against.
     model: str | None = None
+    # The upstream cluster it was sent to (gateway mode; the implicit one is "default").
+    upstream: str | None = None
     prompt_tokens: int | None = None
     count_method: str | None = None
     # exact | upper-bound | lower-bound: what prompt_tokens is (X-Kvproxy-Prompt-Tokens-Kind).
@@ -75,8 +79,14 @@ class RequestContext:
     # Headers added to whatever kvproxy answers (X-Request-ID, the decision, the count).
     reply_headers: dict[str, str] = field(default_factory=dict)
     model_services: ModelServices | None = None
+    cluster: ClusterServices | None = None
     shape: PromptShape | None = None
+    count: TokenCount | None = None
     verdict: Admit | None = None
+    # The body before `clamp` rewrote its output cap (a retry on another cluster clamps it
+    # for that cluster's limits), and the cluster a connect failure moved it from.
+    unclamped: bytes | None = None
+    tried: str | None = None
     lease: Lease | None = None
     # When the whole body had arrived (monotonic; 0: not read): kvproxy's own time starts here.
     body_at: float = 0.0
@@ -87,9 +97,15 @@ class RequestContext:
 
     @property
     def upstream_url(self) -> str:
-        if self.model_services is not None:
-            return self.model_services.upstream
+        if self.cluster is not None:
+            return self.cluster.url
         return self.services.settings.upstream
+
+    @property
+    def upstream_label(self) -> str:
+        """The `upstream` metric label: the cluster's name (a pass-through route, sent to
+        the configured router, counts under the implicit cluster's)."""
+        return self.upstream or IMPLICIT_UPSTREAM
 
     def release_lease(self) -> None:
         """I6: the budget comes back once, when the upstream connection is closed."""

@@ -6,12 +6,16 @@
       (a `KvproxyError`), ABANDONED (the client left before anything was sent) or None:
         every request     refuse_when_stopping, refuse_oversize_head, refuse_route,
                           refuse_oversize, read_body, upstream_headers
-        counted routes    require_post, decode_body, pick_model, admit, take_budget,
-                          recheck_after_queue, clamp
+        counted routes    require_post, decode_body, pick_model, admit, pick_cluster,
+                          take_budget, recheck_after_queue, clamp
+        pass-through      passthrough_upstream (gateway mode's single-model form)
       forwards the bytes as read (decoded if they were; no re-serialisation) through the
       relay (kvproxy.serve.relay: I5, I6)
     One way out for a refusal (`_refuse`), one `finally` that gives the in-flight budget
     back once the upstream is closed (I6) and writes the access line (a view of the context).
+    After the exchange, the cluster's passive health (`_observe_health`): a connect failure
+    or a 5xx ejects it; a connect failure, and only that (no byte was sent), runs RETRY once:
+    move_cluster, pick_cluster, take_budget, recheck_after_queue, clamp on another cluster.
 
 Each stage fails closed: a request head past its bounds is a 431 (kvproxy.serve.headers:
 aiohttp bounds each line and the count, not the total); routes that are neither counted nor
@@ -34,7 +38,7 @@ from aiohttp import web
 
 from kvproxy.budget import charge_tokens
 from kvproxy.observe import ACCESS_LOGGER, emit_access
-from kvproxy.policy import KvproxyError, admission, clamp_output, errors, route_table
+from kvproxy.policy import KvproxyError, admission, clamp_output, errors, route_table, routing
 from kvproxy.prompt import parse_request
 from kvproxy.response import CanaryScanner
 from kvproxy.serve.body import content_coding, decode, forwarded_headers, read_arrived, read_raw
@@ -87,7 +91,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     state.enter()
     try:
         try:
-            resp = await _run(ctx, COUNTED if route is not None else EVERY_REQUEST)
+            resp = await _run(ctx, _stages_for(ctx))
         except Exception as exc:
             # A bug must cost one request a 500, never the process; the log names the
             # exception type only (its message could quote request content).
@@ -115,13 +119,45 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 
 async def _run(ctx: RequestContext, stages: tuple[Stage, ...]) -> web.StreamResponse | None:
+    stop = await _stages(ctx, stages)
+    if stop is ABANDONED:
+        ctx.decision = "abandoned"
+        return None
+    if isinstance(stop, KvproxyError):
+        return _refuse(ctx, stop)
+    # kvproxy's own time before the first send (a retry's wait on a failed connect is not).
+    ctx.services.metrics.overhead.labels(ctx.route, ctx.decision, "request").observe(
+        ctx.overhead_s(time.monotonic())
+    )
+    resp, exchange = await _send(ctx)
+    if _observe_health(ctx, exchange) and not client_gone(ctx.request):
+        # Nothing of it reached that router: it may go to another cluster that holds it,
+        # once. A request any byte of which was sent is never retried (it may be running).
+        stop = await _stages(ctx, RETRY)
+        if stop is None:
+            resp, exchange = await _send(ctx)
+            _observe_health(ctx, exchange)
+        elif stop is ABANDONED:
+            return None
+        else:
+            # No other cluster holds it (or its budget refused): the connect failure stands.
+            ctx.upstream = ctx.tried
+    if exchange.prompt_tokens is not None and ctx.prompt_tokens is not None:
+        _drift(ctx, exchange.prompt_tokens)
+    # A streamed response must be handed back to aiohttp itself: returning any other object
+    # would make it write a second status line onto the same keep-alive connection.
+    return resp if resp is not None else exchange.client
+
+
+async def _stages(ctx: RequestContext, stages: tuple[Stage, ...]) -> Stop | None:
     for stage in stages:
         stop = await stage(ctx)
-        if stop is ABANDONED:
-            ctx.decision = "abandoned"
-            return None
-        if isinstance(stop, KvproxyError):
-            return _refuse(ctx, stop)
+        if stop is not None:
+            return stop
+    return None
+
+
+async def _send(ctx: RequestContext) -> tuple[web.StreamResponse | None, Exchange]:
     exchange = Exchange(
         ctx.services,
         ctx.state.hard_stop,
@@ -132,20 +168,32 @@ async def _run(ctx: RequestContext, stages: tuple[Stage, ...]) -> web.StreamResp
         extra_headers=ctx.reply_headers,
         style=ctx.style,
     )
-    decision = ctx.decision
-    ctx.services.metrics.overhead.labels(ctx.route, decision, "request").observe(
-        ctx.overhead_s(time.monotonic())
-    )
     try:
         target = ctx.request.rel_url.raw_path_qs
         resp = await exchange.run(ctx.upstream_url, ctx.method, target, ctx.headers, ctx.body)
     finally:
         ctx.release_lease()  # I6: only now is the upstream connection closed
-    if exchange.prompt_tokens is not None and ctx.prompt_tokens is not None:
-        _drift(ctx, exchange.prompt_tokens)
-    # A streamed response must be handed back to aiohttp itself: returning any other object
-    # would make it write a second status line onto the same keep-alive connection.
-    return resp if resp is not None else exchange.client
+    return resp, exchange
+
+
+def _observe_health(ctx: RequestContext, exchange: Exchange) -> bool:
+    """Passive health of the cluster a counted request went to: a connect failure or a 5xx
+    head ejects it (kvproxy.policy.routing.Health), any other answer clears its streak.
+    True when the request may move: nothing of it was sent, and it has not moved yet."""
+    svc, cluster = ctx.model_services, ctx.cluster
+    if svc is None or cluster is None or ctx.verdict is None or ctx.state.stopping:
+        return False
+    up = exchange.upstream
+    if up is not None:
+        if up.status >= 500:
+            svc.eject(cluster, "status_5xx", ctx.services.metrics)
+        else:
+            cluster.health.ok()
+        return False
+    if not exchange.not_sent:
+        return False
+    svc.eject(cluster, "connect", ctx.services.metrics)
+    return len(svc.clusters) > 1 and ctx.tried is None
 
 
 def _refuse(ctx: RequestContext, err: KvproxyError) -> web.Response:
@@ -260,24 +308,31 @@ async def pick_model(ctx: RequestContext) -> Stop | None:
 
 
 async def admit(ctx: RequestContext) -> Stop | None:
-    """I3, then parse, count (bound first, exact only if needed) and decide (I1, I4)."""
+    """I3, then parse and count (bound first, exact only if needed) once, against the
+    largest limit any measured cluster of the model offers (one cluster: its own)."""
     svc, metrics, route = ctx.model_services, ctx.services.metrics, ctx.match.route
     assert svc is not None
     assert route is not None
-    limits = svc.capacity.limits()
-    pre = admission.precheck(
-        limits, svc.capacity.retry_after_s(), ctx.services.models.unknown_why(svc)
-    )
-    if pre is not None:
-        return pre.error
+    policy = _policy(ctx.services)
+    clusters = svc.clusters
+    if len(clusters) == 1:
+        limits = clusters[0].limits()
+        pre = admission.precheck(
+            limits, clusters[0].capacity.retry_after_s(), ctx.services.models.unknown_why(svc)
+        )
+        if pre is not None:
+            return pre.error
+    elif not any(c.limits().known for c in clusters):
+        return errors.capacity_unknown(svc.retry_after_s(), ctx.services.models.unknown_why(svc))
     try:
         shape = parse_request(route, ctx.body)
-        policy = _policy(ctx.services)
+        if len(clusters) == 1:
+            ceiling = admission.count_ceiling(shape, limits, policy)
+        else:
+            ceiling = routing.count_ceiling(clusters, shape, policy) or 0
         t0 = time.perf_counter()
         count = await svc.counter.count(
-            shape,
-            admission.count_ceiling(shape, limits, policy),
-            admission.charge_ceiling(svc.budget.max_tokens, shape),
+            shape, ceiling, admission.charge_ceiling(svc.budget.max_tokens, shape)
         )
     except KvproxyError as err:
         return err
@@ -288,10 +343,38 @@ async def admit(ctx: RequestContext) -> Stop | None:
     ctx.prompt_tokens = count.tokens
     ctx.count_method = count.method
     ctx.prompt_tokens_kind = count.kind
-    verdict = admission.decide(count, shape, limits, policy)
-    if isinstance(verdict, admission.Reject):
-        return verdict.error
-    ctx.shape, ctx.verdict = shape, verdict
+    ctx.shape, ctx.count = shape, count
+    return None
+
+
+async def pick_cluster(ctx: RequestContext) -> Stop | None:
+    """Decide (I1, I4) on each measured cluster's limits and pick one that holds the
+    request: affinity, then least load (kvproxy.policy.routing). One cluster: its decision."""
+    svc, shape, count = ctx.model_services, ctx.shape, ctx.count
+    assert svc is not None
+    assert shape is not None
+    assert count is not None
+    policy = _policy(ctx.services)
+    clusters = svc.clusters
+    if len(clusters) == 1:
+        cluster = clusters[0]
+        verdict = admission.decide(count, shape, cluster.limits(), policy)
+        if isinstance(verdict, admission.Reject):
+            return verdict.error
+        reason: routing.RoutingReason = "fit"
+    else:
+        header = svc.affinity_header
+        key = ctx.request.headers.get(header) if header is not None else None
+        exclude = () if ctx.tried is None else (ctx.tried,)
+        routed = svc.balancer.route(
+            count, shape, clusters, policy, time.monotonic(), key or None, exclude
+        )
+        if isinstance(routed, admission.Reject):
+            return routed.error
+        cluster = routed.cluster  # type: ignore[assignment]  # the model's own ClusterServices
+        verdict, reason = routed.admit, routed.reason
+    ctx.cluster, ctx.upstream, ctx.verdict = cluster, cluster.name, verdict
+    ctx.services.metrics.routing_decisions.labels(svc.name, cluster.name, reason).inc()
     ctx.reply_headers["X-Kvproxy-Decision"] = "admitted"
     ctx.reply_headers["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
     ctx.reply_headers["X-Kvproxy-Prompt-Tokens-Kind"] = count.kind
@@ -299,13 +382,14 @@ async def admit(ctx: RequestContext) -> Stop | None:
 
 
 async def take_budget(ctx: RequestContext) -> Stop | None:
-    svc, shape, verdict = ctx.model_services, ctx.shape, ctx.verdict
-    assert svc is not None
+    cluster, shape, verdict = ctx.cluster, ctx.shape, ctx.verdict
+    assert cluster is not None
     assert shape is not None
     assert verdict is not None
     try:
-        # The budget holds what the engines will hold: every sequence, every sample.
-        ctx.lease = await svc.budget.acquire(charge_tokens(verdict.total, shape.n))
+        # The budget holds what the engines will hold: every sequence, every sample. Each
+        # cluster's own budget: a deferred request keeps its cluster's share (I6).
+        ctx.lease = await cluster.budget.acquire(charge_tokens(verdict.total, shape.n))
     except KvproxyError as err:
         return err
     ctx.decision = "admitted"
@@ -319,13 +403,13 @@ async def take_budget(ctx: RequestContext) -> Stop | None:
 async def recheck_after_queue(ctx: RequestContext) -> Stop | None:
     """The same decision on today's limits when the request waited for budget: a pool that
     shrank meanwhile must not receive what it can no longer hold."""
-    svc, verdict, lease = ctx.model_services, ctx.verdict, ctx.lease
-    assert svc is not None
+    cluster, verdict, lease = ctx.cluster, ctx.verdict, ctx.lease
+    assert cluster is not None
     assert verdict is not None
     assert lease is not None
     if lease.waited_s <= 0:
         return None
-    again = admission.recheck(verdict, svc.capacity.limits(), _policy(ctx.services))
+    again = admission.recheck(verdict, cluster.limits(), _policy(ctx.services))
     if isinstance(again, admission.Reject):
         return again.error
     ctx.verdict = again
@@ -341,9 +425,11 @@ async def clamp(ctx: RequestContext) -> Stop | None:
     if verdict.clamped_output_tokens is None:
         return None
     try:
-        ctx.body = clamp_output(ctx.body, route, verdict.clamped_output_tokens)
+        clamped = clamp_output(ctx.unclamped or ctx.body, route, verdict.clamped_output_tokens)
     except KvproxyError as err:
         return err
+    ctx.unclamped = ctx.unclamped or ctx.body  # a retry on another cluster clamps afresh
+    ctx.body = clamped
     ctx.reply_headers["X-Kvproxy-Output-Clamped"] = str(verdict.clamped_output_tokens)
     return None
 
@@ -356,19 +442,51 @@ EVERY_REQUEST: tuple[Stage, ...] = (
     read_body,
     upstream_headers,
 )
+
+
+async def move_cluster(ctx: RequestContext) -> Stop | None:
+    """The cluster refused the connection (nothing was sent): route again without it."""
+    assert ctx.cluster is not None
+    ctx.tried = ctx.cluster.name
+    ctx.upstream_outcome = None  # the access line's outcome is the retry's
+    if ctx.unclamped is not None:
+        ctx.body = ctx.unclamped
+    return None
+
+
+async def passthrough_upstream(ctx: RequestContext) -> Stop | None:
+    # The single-model form with `upstreams` has no top-level router: a pass-through route
+    # goes to one of its clusters (the `models:` form keeps the top-level `upstream`).
+    models = ctx.services.models
+    if models.implicit and models.first.gateway:
+        cluster = models.first.passthrough_cluster()
+        ctx.cluster, ctx.upstream = cluster, cluster.name
+    return None
+
+
 COUNTED: tuple[Stage, ...] = (
     *EVERY_REQUEST,
     require_post,
     decode_body,
     pick_model,
     admit,
+    pick_cluster,
     take_budget,
     recheck_after_queue,
     clamp,
 )
+PASSTHROUGH: tuple[Stage, ...] = (*EVERY_REQUEST, passthrough_upstream)
+# After a connect failure: another cluster, its budget, its limits, its clamp.
+RETRY: tuple[Stage, ...] = (move_cluster, pick_cluster, take_budget, recheck_after_queue, clamp)
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _stages_for(ctx: RequestContext) -> tuple[Stage, ...]:
+    if ctx.match.route is not None:
+        return COUNTED
+    return PASSTHROUGH if ctx.match.kind != "refused" else EVERY_REQUEST
 
 
 def _scanner(ctx: RequestContext) -> CanaryScanner | None:

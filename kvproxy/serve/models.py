@@ -1,9 +1,19 @@
 """The model table: which model's policy a request is counted and admitted against.
 
 Each configured model (kvproxy.config.models) gets a `ModelServices` bundle: its settings,
-its own `CapacityMonitor` (its engines, measured and failing closed on their own), its
-`TokenCounter` (its tokenizer and chat template) and its in-flight `Budget` (budgets belong
-to an engine pool). `ModelTable.for_request` is the request path's one lookup.
+its `TokenCounter` (its tokenizer and chat template) and its upstream clusters
+(`ClusterServices`: one, the implicit `default`, unless the model lists `upstreams`), each
+with its router URL, its own `CapacityMonitor` (its engines, measured and failing closed on
+their own), its in-flight `Budget` (budgets belong to an engine pool), its passive `Health`
+and weight; `ModelServices.balancer` is the model's routing state (kvproxy.policy.routing).
+`ModelTable.for_request` is the request path's one lookup.
+
+Gateway mode (a model with `upstreams`): the model is ready while any cluster is; its
+/capacity lists each cluster under `clusters` (weight, ejected_until and the single-model
+snapshot); its model-wide gauges (admission limit, capacity known, budget) are computed at
+scrape time over the clusters (the largest limit any measured cluster offers). Its counter
+is built on every cluster's engines, and no cluster's monitor feeds its verifier: the count
+is taken once, before the cluster is picked, so it must hold on each of them.
 
 Both configuration forms are one table (`Settings.model_table()`): the single-model form is
 a table of one implicit model (`IMPLICIT_MODEL`) that is also the default. Resolution, by the
@@ -26,33 +36,45 @@ the operator configured that fallback as `default_model`), or log the body (I8).
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvproxy.budget import Budget, build_budget
-from kvproxy.capacity import CapacityMonitor
-from kvproxy.config import IMPLICIT_MODEL, Settings
-from kvproxy.observe import UNKNOWN_MODEL
-from kvproxy.policy import KvproxyError, errors
+from kvproxy.capacity import CapacityMonitor, Limits
+from kvproxy.config import IMPLICIT_MODEL, ModelSpec, Settings
+from kvproxy.observe import UNKNOWN_MODEL, Metrics
+from kvproxy.policy import KvproxyError, errors, routing
 from kvproxy.prompt import load_json
 from kvproxy.tokens import TokenCounter, build_counter
 
+log = logging.getLogger("kvproxy.models")
 
-@dataclass(frozen=True)
-class ModelServices:
-    """Everything the request path needs for one model."""
+
+@dataclass(frozen=True, eq=False)
+class ClusterServices:
+    """One upstream cluster of a model: its router, its own capacity monitor (fail closed on
+    its own), its in-flight budget and its passive health (kvproxy.policy.routing reads it
+    through `ClusterView`)."""
 
     name: str
-    aliases: tuple[str, ...]
+    url: str
+    weight: float
     settings: Settings
     capacity: CapacityMonitor
-    counter: TokenCounter
     budget: Budget
+    health: routing.Health
 
-    @property
-    def upstream(self) -> str:
-        return self.settings.upstream
+    def limits(self) -> Limits:
+        return self.capacity.limits()
+
+    def inflight_tokens(self) -> int:
+        return self.budget.tokens_in_use
+
+    def pool_tokens(self) -> int | None:
+        return self.capacity.pool_tokens()
 
     def ready(self) -> bool:
         return self.capacity.ready() and not self.capacity.posture.blocks_ready()
@@ -62,12 +84,98 @@ class ModelServices:
         return {**self.capacity.snapshot_json(), "budget": self.budget.describe_json()}
 
     def snapshot_json(self) -> dict[str, Any]:
+        now = time.monotonic()
+        ejected = self.health.ejected(now)
+        return {
+            "url": self.url,
+            "weight": self.weight,
+            # Wall-clock seconds, like the monitor's timestamps; None while not ejected.
+            "ejected_until": round(time.time() + self.health.until - now, 3) if ejected else None,
+            "consecutive_ejections": self.health.consecutive,
+            **self.capacity_json(),
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class ModelServices:
+    """Everything the request path needs for one model: its counter, and its clusters (one,
+    the implicit `default`, unless the model lists `upstreams`)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    settings: Settings
+    counter: TokenCounter
+    clusters: tuple[ClusterServices, ...]
+    # Gateway mode: the model listed `upstreams` (else its one cluster is the implicit one,
+    # and /capacity keeps the single-cluster shape).
+    gateway: bool = False
+    affinity_header: str | None = None
+    balancer: routing.Balancer = field(default_factory=routing.Balancer)
+
+    @property
+    def capacity(self) -> CapacityMonitor:
+        """The first cluster's monitor: the only one without `upstreams`."""
+        return self.clusters[0].capacity
+
+    @property
+    def budget(self) -> Budget:
+        """The first cluster's budget: the only one without `upstreams`."""
+        return self.clusters[0].budget
+
+    @property
+    def upstream(self) -> str:
+        return self.clusters[0].url
+
+    def ready(self) -> bool:
+        """Ready while any of its clusters is (the others answer nothing, I3 per cluster)."""
+        return any(c.ready() for c in self.clusters)
+
+    def retry_after_s(self) -> int:
+        return min(c.capacity.retry_after_s() for c in self.clusters)
+
+    def capacity_json(self) -> dict[str, Any]:
+        """Its engines, limits and budget; with `upstreams`, each cluster's under `clusters`."""
+        if not self.gateway:
+            return self.clusters[0].capacity_json()
+        limits = [c.limits() for c in self.clusters]
+        offered = [x.admission_limit_tokens for x in limits if x.known]
+        return {
+            "known": any(x.known for x in limits),
+            "ready": self.ready(),
+            # The largest limit any measured cluster offers (what a refusal names).
+            "admission_limit_tokens": max((t for t in offered if t is not None), default=None),
+            "clusters": {c.name: c.snapshot_json() for c in self.clusters},
+        }
+
+    def snapshot_json(self) -> dict[str, Any]:
         return {
             "aliases": list(self.aliases),
-            "upstream": self.upstream,
+            "upstream": None if self.gateway else self.upstream,
             "tokenizer": self.counter.describe(),
             **self.capacity_json(),
         }
+
+    def passthrough_cluster(self) -> ClusterServices:
+        """Where a pass-through route of a gateway model goes: the first measured cluster
+        that is not ejected, else the first."""
+        now = time.monotonic()
+        for c in self.clusters:
+            if c.limits().known and not c.health.ejected(now):
+                return c
+        return self.clusters[0]
+
+    def eject(self, cluster: ClusterServices, cause: routing.EjectionCause, metrics: Any) -> None:
+        """Passive health: a connect failure or a 5xx from the cluster's router."""
+        if cluster.health.eject(time.monotonic()):
+            metrics.upstream_ejections.labels(self.name, cluster.name, cause).inc()
+            log.warning(
+                "upstream cluster %s of model %s ejected for %.1f s (%s, %d in a row)",
+                cluster.name,
+                self.name,
+                cluster.health.until - time.monotonic(),
+                cause,
+                cluster.health.consecutive,
+            )
 
 
 class ModelTable:
@@ -147,8 +255,8 @@ class ModelTable:
     def not_ready_reason(self) -> str:
         if self.implicit:
             m = self.models[0]
-            if not m.capacity.ready():
-                return "capacity unknown"
+            if not any(c.capacity.ready() for c in m.clusters):
+                return "capacity unknown" + (" for every cluster" if m.gateway else "")
             return "engine posture (posture_action)"
         down = [m.name for m in self.models if not m.ready()]
         return f"capacity unknown for {', '.join(down)} (readiness: {self.readiness})"
@@ -166,26 +274,33 @@ class ModelTable:
     def unknown_why(self, model: ModelServices) -> str:
         """Why a request of `model` is refused with 503 capacity_unknown (I3)."""
         why = "no fresh measurement"
+        if model.gateway:
+            why += " of any upstream cluster"
         if not self.implicit:
             why += f" of model {model.name}'s engines"  # the others may be serving
         return why
 
+    @property
+    def clusters(self) -> tuple[ClusterServices, ...]:
+        return tuple(c for m in self.models for c in m.clusters)
+
     async def start(self) -> None:
-        for m in self.models:
-            await m.capacity.start()
-            await m.budget.start()
+        for c in self.clusters:
+            await c.capacity.start()
+            await c.budget.start()
 
     def reject_waiting(self) -> None:
-        for m in self.models:
-            m.budget.reject_waiting()
+        for c in self.clusters:
+            c.budget.reject_waiting()
 
     async def stop_capacity(self) -> None:
-        await asyncio.gather(*(m.capacity.stop() for m in self.models))
+        await asyncio.gather(*(c.capacity.stop() for c in self.clusters))
 
     async def aclose(self) -> None:
         """Budgets and counters, after the last request is gone."""
+        for c in self.clusters:
+            await c.budget.aclose()
         for m in self.models:
-            await m.budget.aclose()
             await m.counter.aclose()
 
 
@@ -206,20 +321,10 @@ async def build_table(
             name = spec.name
             ms = settings.for_model(spec)
             metrics.add_model(name)
-            c = counter if (i == 0 and counter is not None) else build_counter(ms, session=session)
+            cs = _counting_settings(settings, spec, ms)
+            c = counter if (i == 0 and counter is not None) else build_counter(cs, session=session)
             counters.append(c)
-            built.append(
-                ModelServices(
-                    name=name,
-                    aliases=spec.aliases,
-                    settings=ms,
-                    # After the counter: a start that fails on the tokenizer says only
-                    # that, not the posture line the monitor logs when it is built.
-                    capacity=CapacityMonitor(ms, metrics, model=name, verifier=c.verifier),
-                    counter=c,
-                    budget=build_budget(ms, metrics, name),
-                )
-            )
+            built.append(_model_services(settings, spec, ms, c, metrics))
     except BaseException:
         for c in counters:
             if c is not counter:
@@ -232,3 +337,101 @@ async def build_table(
         readiness=settings.readiness,
         implicit=implicit,
     )
+
+
+def _counting_settings(settings: Settings, spec: ModelSpec, ms: Settings) -> Settings:
+    """What the model's counter is built from. With `upstreams`, a request is counted once,
+    before its cluster is picked, so the count must hold on every cluster: the engines are
+    all of them (the tokenizer `auto` resolves on them, the chat normalisation covers each
+    kind) and the router is the clusters' common kind, else undetected (what holds behind
+    every router is verified)."""
+    if not spec.upstreams:
+        return ms
+    clusters = settings.clusters(spec)
+    kinds = {c.router_kind for c in clusters}
+    router = kinds.pop() if len(kinds) == 1 else "auto"
+    engines = tuple(e for c in clusters for e in c.engines)
+    return ms.model_copy(update={"engines": engines, "router_kind": router})
+
+
+def _model_services(
+    settings: Settings, spec: ModelSpec, ms: Settings, counter: TokenCounter, metrics: Metrics
+) -> ModelServices:
+    name = spec.name
+    gateway = bool(spec.upstreams)
+    clusters: list[ClusterServices] = []
+    for cluster in settings.clusters(spec):
+        cs = settings.for_cluster(spec, cluster)
+        metrics.add_cluster(name, cluster.name)
+        budget = build_budget(cs, metrics, name)
+        health = routing.Health(settings.upstream_eject_s, settings.upstream_eject_max_s)
+        clusters.append(
+            ClusterServices(
+                name=cluster.name,
+                url=cluster.url,
+                weight=cluster.weight,
+                settings=cs,
+                # After the counter: a start that fails on the tokenizer says only that, not
+                # the posture line the monitor logs when it is built. Several clusters feed
+                # no verifier: each would overwrite the others' versions and router, and
+                # the count is taken once for all of them (`_counting_settings`).
+                capacity=CapacityMonitor(
+                    cs,
+                    metrics,
+                    model=name,
+                    verifier=None if gateway else counter.verifier,
+                    upstream=cluster.name,
+                    publish_model=not gateway,
+                ),
+                budget=budget,
+                health=health,
+            )
+        )
+        _publish_cluster(metrics, name, clusters[-1])
+    if gateway:
+        _publish_model(metrics, name, tuple(clusters))
+    return ModelServices(
+        name=name,
+        aliases=spec.aliases,
+        settings=ms,
+        counter=counter,
+        clusters=tuple(clusters),
+        gateway=gateway,
+        affinity_header=settings.affinity_for(spec),
+    )
+
+
+def _publish_cluster(metrics: Metrics, model: str, c: ClusterServices) -> None:
+    # Read at scrape time, like the budget's own gauges (no write per request).
+    metrics.upstream_inflight_tokens.labels(model, c.name).set_function(
+        lambda: c.budget.tokens_in_use
+    )
+    metrics.upstream_ejected.labels(model, c.name).set_function(
+        lambda: 1 if c.health.ejected(time.monotonic()) else 0
+    )
+
+
+def _publish_model(metrics: Metrics, model: str, clusters: tuple[ClusterServices, ...]) -> None:
+    """A gateway model's model-wide gauges over its clusters: the largest limit any measured
+    cluster offers (what a refusal names), known while any is, the budget summed."""
+
+    def offered(pick: Any) -> int:
+        values = [pick(x) for x in (c.limits() for c in clusters) if x.known]
+        return max((v for v in values if v is not None), default=0)
+
+    metrics.admission_limit.labels(model).set_function(
+        lambda: offered(lambda x: x.admission_limit_tokens)
+    )
+    metrics.decode_limit.labels(model).set_function(
+        lambda: offered(lambda x: x.decode_limit_tokens)
+    )
+    metrics.capacity_known.labels(model).set_function(
+        lambda: 1 if any(c.limits().known for c in clusters) else 0
+    )
+    metrics.budget_tokens_in_use.labels(model).set_function(
+        lambda: sum(c.budget.tokens_in_use for c in clusters)
+    )
+    metrics.queue_depth.labels(model).set_function(
+        lambda: sum(c.budget.queue_depth for c in clusters)
+    )
+    metrics.budget_tokens_limit.labels(model).set(sum(c.budget.max_tokens or 0 for c in clusters))

@@ -92,6 +92,16 @@ class Exchange:
         # to its hand-over to the client's connection, summed, and the chunks relayed.
         self.relay_s = 0.0
         self.relayed = 0
+        # The upstream failure that ended the exchange, if one did (the handler's passive
+        # health reads it with `upstream`: a connect failure, or a 5xx head).
+        self.failure: UpstreamFailure | None = None
+
+    @property
+    def not_sent(self) -> bool:
+        """No byte of the request reached the router: no connection could be opened (the
+        only failure a request may be moved to another cluster after)."""
+        f = self.failure
+        return self.upstream is None and f is not None and f.kind in ("connect", "dns")
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -149,12 +159,12 @@ class Exchange:
         phase = self.machine.disconnect_phase
         if phase is not None:
             self.record.client_disconnect = phase
-            self.services.metrics.client_disconnects.labels(phase).inc()
+            self.services.metrics.client_disconnects.labels(phase, self.record.upstream_label).inc()
             log_event(
                 log, logging.DEBUG, "client gone", request_id=self.record.request_id, phase=phase
             )
         if self.machine.deferred:
-            self.services.metrics.deferred_in_progress.inc()
+            self.services.metrics.deferred_in_progress.labels(self.record.upstream_label).inc()
         return decision
 
     def _signal(self, sig: _Signal) -> drain.Decision:
@@ -224,6 +234,8 @@ class Exchange:
         return resp
 
     def _upstream_failed(self, err: KvproxyError) -> web.StreamResponse | None:
+        if isinstance(err, UpstreamFailure):
+            self.failure = err
         self.record.upstream_outcome = err.code
         self.services.metrics.upstream_errors.labels(err.code).inc()
         self.machine.handle(drain.UpstreamError(now=time.monotonic()))
@@ -434,12 +446,13 @@ class Exchange:
         duration = self.machine.deferred_for(now)
         self.record.deferred_outcome = outcome
         self.record.deferred_s = duration
-        m.deferred_total.labels(outcome).inc()
-        m.deferred_duration.labels(outcome).observe(duration)
+        upstream = self.record.upstream_label
+        m.deferred_total.labels(outcome, upstream).inc()
+        m.deferred_duration.labels(outcome, upstream).observe(duration)
         if self.machine.discarded_token_chunks:
             m.discarded_tokens.inc(self.machine.discarded_token_chunks)
         if self.machine.was_deferred:
-            m.deferred_in_progress.dec()
+            m.deferred_in_progress.labels(upstream).dec()
         if outcome == "timeout":
             log_event(
                 log,

@@ -129,7 +129,7 @@ def test_duplicate_names_or_aliases_are_one_clear_config_error(
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        ({"models": [{"name": "a", "engines": []}]}, "models.0.engines"),
+        ({"models": [{"name": "a", "engines": []}]}, "a models entry needs at least one engine"),
         ({"models": [{"name": "a b", "engines": engines(1)}]}, "models.0.name"),
         ({"models": [{"name": "a", "engines": engines(1), "tokenizer": "qwen"}]}, "tokenizer"),
         ({"models": [{"name": "a", "engines": engines(1), "upstream": "x"}]}, "upstream"),

@@ -27,11 +27,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grafana.promql import MODEL_LABELLED
 from kvproxy.config import IMPLICIT_MODEL
+from kvproxy.observe import IMPLICIT_UPSTREAM
 from kvproxy.policy.drain import DEFERRED_OUTCOMES, DISCONNECT_PHASES
 from kvproxy.policy.routes import Route
 from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim import SimCluster, SimOptions
 
+# The deferral and disconnect series carry the cluster's name (the single cluster: default).
+UPSTREAM_LABELLED = (
+    "kvproxy_deferred_cancellation",
+    "kvproxy_client_disconnects_total",
+)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
@@ -271,6 +277,8 @@ async def proxy_for(
 def sample(server: KvproxyServer, name: str, **labels: str) -> float:
     if name in MODEL_LABELLED:
         labels.setdefault("model", IMPLICIT_MODEL)
+    if name.startswith(UPSTREAM_LABELLED):
+        labels.setdefault("upstream", IMPLICIT_UPSTREAM)
     value = server.metrics.registry.get_sample_value(name, labels)
     return float(value or 0.0)
 

@@ -127,7 +127,12 @@ async def _run(
 
     async def draining() -> bool:
         text = await scrape(http, admin + "/metrics")
-        return parse_prometheus(text).get(("kvproxy_deferred_cancellations_in_progress", ())) == 1
+        return (
+            parse_prometheus(text).get(
+                ("kvproxy_deferred_cancellations_in_progress", (("upstream", "default"),))
+            )
+            == 1
+        )
 
     assert await poll(draining, timeout_s=10.0, interval_s=0.02)
     before = await get_json(http, sim.decode_url + "/sim/stats")
@@ -141,7 +146,12 @@ async def _run(
 
     assert await poll(unready, timeout_s=10.0, interval_s=0.02)
     text = await scrape(http, admin + "/metrics")
-    assert parse_prometheus(text).get(("kvproxy_deferred_cancellations_in_progress", ())) == 1
+    assert (
+        parse_prometheus(text).get(
+            ("kvproxy_deferred_cancellations_in_progress", (("upstream", "default"),))
+        )
+        == 1
+    )
     try:
         late = await post(http, public, CHAT, body_for(CHAT, "hello", stream=False, max_tokens=1))
         assert late.status == 503, late.status

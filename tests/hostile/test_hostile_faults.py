@@ -245,7 +245,7 @@ async def test_router_faults_map_to_502_504_while_traffic_runs(
             assert await _one(http, proxy, stream=True) == (200, "ok")
             assert await wait_until(lambda: proxy.state.inflight == 0, 30)
             assert await wait_until(lambda: proxy.services.watcher.watched == 0, 30)
-            assert proxy.metrics.deferred_in_progress._value.get() == 0
+            assert proxy.metrics.deferred_in_progress.labels("default")._value.get() == 0
     finally:
         await front.close()
     # I7 / I1: no over-limit prompt ever reached the router.

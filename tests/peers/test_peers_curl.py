@@ -144,9 +144,9 @@ async def test_curl_killed_mid_stream_is_a_counted_deferred_cancel(
             await proc.wait()
         assert await wait_until(lambda: proxy.state.inflight == 0, 30)
         m = proxy.metrics
-        assert m.client_disconnects.labels("streaming")._value.get() == 1
+        assert m.client_disconnects.labels("streaming", "default")._value.get() == 1
         # A token had reached the client: the transfer was over, so closing at once is safe.
-        assert m.deferred_total.labels("first_token")._value.get() == 1
-        assert m.deferred_in_progress._value.get() == 0
+        assert m.deferred_total.labels("first_token", "default")._value.get() == 1
+        assert m.deferred_in_progress.labels("default")._value.get() == 0
         stats = await sim_stats(http, sim)
         assert stats["decode"]["late_writes_into_reallocated_pages"] == 0

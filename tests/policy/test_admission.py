@@ -89,6 +89,19 @@ def test_a_bound_over_the_limit_says_it_was_a_bound() -> None:
     assert "KVPROXY_TOKENIZER" in verdict.error.message
 
 
+def test_an_upper_count_by_a_tokenizer_names_the_missing_template() -> None:
+    # The engine's /tokenize counted the texts, but without the chat template the number is an
+    # upper estimate of the render: the advice is the template, not a tokenizer already set.
+    ask = (TokenCount(700_000, "engine", False, 700_000), Shape(None, 1))
+    verdict = decide(ask, L(), Policy())
+    assert isinstance(verdict, Reject)
+    assert "byte bound" not in verdict.error.message
+    assert "KVPROXY_CHAT_TEMPLATE" in verdict.error.message
+    assert orjson.loads(verdict.error.body("openai"))["error"]["prompt_tokens_kind"] == (
+        "upper-bound"
+    )
+
+
 @pytest.mark.parametrize("limits", [L(known=False), L(admission_limit_tokens=None)])
 def test_unknown_capacity_refuses_with_503(limits: L) -> None:
     pre = precheck(limits, 7, "no fresh measurement")

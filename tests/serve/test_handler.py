@@ -217,9 +217,9 @@ async def test_client_disconnect_mid_stream_leaks_nothing(
         assert await wait_until(lambda: proxy.state.inflight == 0)
         assert await wait_until(lambda: proxy.services.watcher.watched == 0)
         m = proxy.metrics
-        assert m.client_disconnects.labels("streaming")._value.get() == 5
-        assert m.deferred_total.labels("first_token")._value.get() == 5
-        assert m.deferred_in_progress._value.get() == 0
+        assert m.client_disconnects.labels("streaming", "default")._value.get() == 5
+        assert m.deferred_total.labels("first_token", "default")._value.get() == 5
+        assert m.deferred_in_progress.labels("default")._value.get() == 0
         assert await wait_until(lambda: len(asyncio.all_tasks()) <= tasks_before)
 
 

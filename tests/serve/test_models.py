@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from kvproxy.policy.errors import KvproxyError
-from kvproxy.serve.models import ModelServices, ModelTable
+from kvproxy.policy.routing import Health
+from kvproxy.serve.models import ClusterServices, ModelServices, ModelTable
 
 
 @dataclass
@@ -31,13 +32,21 @@ class _Capacity:
 
 
 def svc(name: str, *aliases: str, known: bool = True) -> ModelServices:
+    cluster = ClusterServices(
+        name="default",
+        url="http://127.0.0.1:1",
+        weight=1.0,
+        settings=cast(Any, None),
+        capacity=cast(Any, _Capacity(known)),
+        budget=cast(Any, None),
+        health=Health(10, 120),
+    )
     return ModelServices(
         name=name,
         aliases=aliases,
         settings=cast(Any, None),
-        capacity=cast(Any, _Capacity(known)),
         counter=cast(Any, None),
-        budget=cast(Any, None),
+        clusters=(cluster,),
     )
 
 

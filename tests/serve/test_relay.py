@@ -174,11 +174,13 @@ async def test_reasoning_only_stream_ends_a_deferred_drain_at_its_first_token(
         assert await resp.content.readuntil(b"\n\n") == chunks[0].rstrip(b"\n") + b"\n\n"
         assert m.upstream_ttft._sum.get() == 0  # a role chunk is no first token
         resp.close()  # the client leaves before the first token
-        assert await wait_until(lambda: m.deferred_in_progress._value.get() == 1)
+        assert await wait_until(lambda: m.deferred_in_progress.labels("default")._value.get() == 1)
         first_token.set()
-        assert await wait_until(lambda: m.deferred_total.labels("first_token")._value.get() == 1)
-        assert m.deferred_total.labels("timeout")._value.get() == 0
-        assert m.deferred_in_progress._value.get() == 0
+        assert await wait_until(
+            lambda: m.deferred_total.labels("first_token", "default")._value.get() == 1
+        )
+        assert m.deferred_total.labels("timeout", "default")._value.get() == 0
+        assert m.deferred_in_progress.labels("default")._value.get() == 0
         ttft = [s for s in m.upstream_ttft.collect()[0].samples if s.name.endswith("_count")]
         assert ttft[0].value == 1  # observed once, at the reasoning token
         assert await wait_until(lambda: proxy.state.inflight == 0)

@@ -69,7 +69,10 @@ async def test_bound_admits_far_below_the_limit_and_refuses_at_it(
 ) -> None:
     """kvproxy's conversion of these routes is not in the verified table (tokens.verified):
     the exact count may not admit them, so the bound decides. It admits a prompt far below
-    the limit; at the limit the refusal names the route as the feature that forced it."""
+    the limit (the guaranteed bound is ~10x the engine's count on Qwen-3's template for this
+    text, bench/GUARANTEE.md: a twentieth of the limit fits under it); at the limit the
+    refusal names the route as the feature that forced it."""
+    far_below = LIMIT // 20
     model = str(real_tokenizer_dir("qwen-3"))
     count = oracle(model)
     feature = "route:" + path.rsplit("/", 1)[1]
@@ -78,7 +81,7 @@ async def test_bound_admits_far_below_the_limit_and_refuses_at_it(
         proxy,
     ):
         results = {}
-        for target in (LIMIT // 4, LIMIT, LIMIT + 1):
+        for target in (far_below, LIMIT, LIMIT + 1):
             before = await routed(http, sim.router_url)
             body = orjson.dumps(
                 build(content_with_tokens(count, target, "Summarise the following numbers. "))
@@ -88,12 +91,12 @@ async def test_bound_admits_far_below_the_limit_and_refuses_at_it(
             after = await routed(http, sim.router_url)
             results[target][1]["routed"] = after.get(path, 0) - before.get(path, 0)
 
-    status, headers, reply = results[LIMIT // 4]
+    status, headers, reply = results[far_below]
     assert status == 200, reply
     assert headers["X-Kvproxy-Decision"] == "admitted"
     assert headers["X-Kvproxy-Prompt-Tokens-Kind"] == "upper-bound"
-    assert int(headers["X-Kvproxy-Prompt-Tokens"]) >= LIMIT // 4  # the bound holds the truth
-    assert reply["usage"]["input_tokens"] == LIMIT // 4  # the engine's own count
+    assert int(headers["X-Kvproxy-Prompt-Tokens"]) >= far_below  # the bound holds the truth
+    assert reply["usage"]["input_tokens"] == far_below  # the engine's own count
     assert headers["routed"] == 3  # the router, prefill and decode all saw it
     for target in (LIMIT, LIMIT + 1):
         status, headers, reply = results[target]
@@ -254,7 +257,7 @@ async def test_a_client_leaving_a_stream_is_deferred_until_its_first_token(
         outcomes = ("first_token", "completed", "timeout", "upstream_error")
 
         def deferred() -> dict[str, float]:
-            return {o: m.deferred_total.labels(o)._value.get() for o in outcomes}
+            return {o: m.deferred_total.labels(o, "default")._value.get() for o in outcomes}
 
         assert await wait_until(lambda: sum(deferred().values()) >= 1)
         got = deferred()

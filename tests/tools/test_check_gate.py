@@ -245,7 +245,7 @@ async def _proxy_with_a_timed_out_deferral(
         post.cancel()  # the client leaves before the first token (before any header, too)
         with contextlib.suppress(asyncio.CancelledError):
             await post
-        timeouts = proxy.metrics.deferred_total.labels("timeout")
+        timeouts = proxy.metrics.deferred_total.labels("timeout", "default")
         assert await wait_until(lambda: timeouts._value.get() == 1)
         yield proxy
 

@@ -51,7 +51,9 @@ async def deferred_counts(
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "kvproxy_deferred_cancellations_total":
-                counts[s.labels.get("outcome", "")] = s.value
+                # Summed over the `upstream` label: the replica's deferrals, every cluster's.
+                outcome = s.labels.get("outcome", "")
+                counts[outcome] = counts.get(outcome, 0.0) + s.value
             elif s.name == "kvproxy_admission_limit_tokens" and (
                 model is None or s.labels.get("model") == model
             ):
