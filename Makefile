@@ -119,10 +119,16 @@ fmt: $(STAMP)
 dashboard: $(STAMP)
 	$(PY) grafana/generate.py
 
-bench: $(STAMP) sysdeps
+# The bench extra (matplotlib, for bench/long_prompts.png) only where a bench runs.
+BENCH_STAMP := $(VENV)/.installed-bench-$(PYPROJECT_SUM)
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,redis,test,dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP) sysdeps
 	$(PY) bench/run.py
 
-bench-peers: $(STAMP) sysdeps
+bench-peers: $(BENCH_STAMP) sysdeps
 	$(PY) bench/run.py --peers
 
 clean:

@@ -115,6 +115,38 @@ GOALS = (
         "bench/decision_latency.py prints it (in-process, pinned like the server)",
     ),
     Goal(
+        "~100k-token prompts at concurrency 16: kvproxy's added TTFB p99",
+        " ms",
+        60,
+        False,
+        lambda r: _get(r, "long_concurrent", "kvproxy", "100k", "16", "added_ms_p99"),
+    ),
+    Goal(
+        "~100k-token prompts at concurrency 1: kvproxy's added TTFB p50",
+        " ms",
+        4,
+        False,
+        lambda r: _get(r, "long_concurrent", "kvproxy", "100k", "1", "added_ms_p50"),
+    ),
+    Goal(
+        "~100k-token prompts at concurrency 16: added p99, kvproxy / litellm",
+        "×",
+        0.1,
+        False,
+        lambda r: _ratio(
+            _get(r, "long_concurrent", "kvproxy", "100k", "16", "added_ms_p99"),
+            _get(r, "long_concurrent", "litellm", "100k", "16", "added_ms_p99"),
+        ),
+        "litellm runs only with `make bench-peers`",
+    ),
+    Goal(
+        "~1M-token prompt counted exactly, concurrency 1: kvproxy's added TTFB p50",
+        " ms",
+        50,
+        False,
+        lambda r: _get(r, "long_concurrent", "kvproxy", "1M", "1", "added_ms_p50"),
+    ),
+    Goal(
         "small p99 while 4 MB prompts are counted / idle p99",
         "×",
         2,
@@ -268,7 +300,7 @@ def render(r: Results) -> str:
     out += _table(["target", "chunks/s", "CPU µs/chunk", "p50 ms per stream", "errors"], rows)
     out += ["", "Ratios of CPU per chunk: " + _ratios(r, "sse", "cpu_us_per_chunk"), ""]
     out += _policy_section(r) + profile_phases.section(r) + _budget_section(r) + _long_section(r)
-    out += _mixed_section(r) + _memory_section(r)
+    out += _concurrent_section(r) + _mixed_section(r) + _memory_section(r)
     if r.get("problems"):
         out += ["## Correctness problems seen (figures above are affected)", ""]
         out += [f"- {p}" for p in r["problems"]] + [""]
@@ -396,6 +428,48 @@ def _long_section(r: Results) -> list[str]:
         out += ["", "In-process decision latency (`bench/decision_latency.py`):", "", "```"]
         out += [str(dl.get("output", "")).rstrip(), "```"]
     return [*out, ""]
+
+
+def _concurrent_section(r: Results) -> list[str]:
+    lc = r.get("long_concurrent")
+    if not lc:
+        return []
+    out = [
+        "## Long prompts under concurrency (bench/long_concurrent.py)",
+        "",
+        "Chat prompts of varied text (~100 K and ~1 M Qwen-3 tokens), C clients at a time on "
+        "keep-alive connections; kvproxy pinned to one core, with a pool just above the prompt "
+        "so that each one is counted exactly (`kind`: what X-Kvproxy-Prompt-Tokens-Kind said). "
+        "TTFB = client's time to the first response byte; *added* = minus direct's at the same "
+        "size and concurrency (nearest-rank quantiles). CPU per prompt from /proc; peak RSS = "
+        "VmHWM of the target, started fresh per size. Plot: [long_prompts.png](long_prompts.png).",
+        "",
+    ]
+    rows = []
+    for name, sizes in lc.items():
+        for size, row in sizes.items():
+            for c in ("1", "16", "64"):
+                cell = row.get(c)
+                if not cell:
+                    continue
+                rows.append(
+                    [
+                        name,
+                        size,
+                        c,
+                        str(cell["requests"]),
+                        _fmt(cell["ttfb_ms_p50"], 2),
+                        _fmt(cell["ttfb_ms_p99"], 2),
+                        _fmt(cell.get("added_ms_p50"), 2),
+                        _fmt(cell.get("added_ms_p99"), 2),
+                        _fmt(cell["cpu_ms_per_prompt"], 2),
+                        _fmt(row.get("peak_rss_mib")),
+                        f"{cell['statuses']} {','.join(k for k in cell['kinds'] if k != '-')}",
+                    ]
+                )
+    head = ["target", "prompt", "C", "requests", "TTFB p50 ms", "TTFB p99 ms", "added p50",
+            "added p99", "CPU ms/prompt", "peak RSS MiB", "HTTP, kind"]  # fmt: skip
+    return [*out, *_table(head, rows), ""]
 
 
 def _mixed_section(r: Results) -> list[str]:

@@ -30,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import long_concurrent
 import nginx
 import procstat
 import profile_phases
@@ -74,6 +75,12 @@ POLICY_STEPS: tuple[tuple[str, str | None, tuple[tuple[str, str], ...], str], ..
     ("+ Qwen-3 tokenizer and chat template", None, _QUIET, "/v1/chat/completions"),
     ("+ canary scan and access log (full policy)", None, (), "/v1/chat/completions"),
 )
+
+# Phases in run order (`--only` picks some). "concurrent": long prompts at concurrency.
+PHASES = ("comparison", "policy", "profile", "budget", "long", "concurrent", "decision",
+          "mixed", "memory")  # fmt: skip
+# Small requests per second in the mixed phase when the comparison did not run this time.
+MIXED_DEFAULT_RPS = 1200.0
 
 PROFILES = {
     "full": (workloads.Durations(), 2),
@@ -126,7 +133,9 @@ class Bench:
 
     def kvproxy_opts(self, pool: str, tokenizer: str | None = None) -> targets.KvproxyOptions:
         if pool not in self.sims:
-            size = POOL_EXACT if pool == "exact" else POOL_BOUND
+            # "exact", "bound", or "pool-N" (a pool of N tokens: the long-prompt phase).
+            sizes = {"exact": POOL_EXACT, "bound": POOL_BOUND}
+            size = sizes.get(pool) or int(pool.removeprefix("pool-"))
             _, url = targets.start_sim_prefill(self.work, pool_tokens=size, name=f"sim-{pool}")
             self.sims[pool] = url
         tok = tokenizer or f"hf:{TOKENIZER_DIR}"
@@ -283,6 +292,34 @@ class Bench:
                 out[name] = r
         return out
 
+    def long_concurrent(self, chat: Upstream, starters: dict[str, Starter]) -> dict[str, Any]:
+        """~100 K and ~1 M-token chats at concurrency 1, 16 and 64 (bench/long_concurrent):
+        direct, kvproxy counting every prompt exactly, and LiteLLM when measured."""
+        scale = 1.0 if self.args.mode == "full" else 0.25
+        out: dict[str, Any] = {}
+        for size, pool in long_concurrent.POOLS.items():
+            plan = {
+                "direct": starters["direct"],
+                "kvproxy": targets.kvproxy_starter(self.kvproxy_opts(f"pool-{pool}")),
+            }
+            if "litellm" in starters:
+                plan["litellm"] = starters["litellm"]
+            for name, starter in plan.items():
+                self.log(f"long prompts under concurrency: {name}, ~{size} tokens")
+                r = self.with_target(
+                    name,
+                    starter,
+                    chat,
+                    lambda run, size=size: long_concurrent.measure(run, size, scale),
+                )
+                if r:
+                    out.setdefault(name, {})[size] = r
+        long_concurrent.added(out)
+        why = long_concurrent.plot(out, self.args.out / "long_prompts.png")
+        if why is not None:
+            self.notes.append(why)
+        return out
+
     def decision_latency(self) -> dict[str, Any] | None:
         script = BENCH / "decision_latency.py"
         if not script.exists():
@@ -388,6 +425,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", action="store_true", help="also measure LiteLLM (pip-installs it)")
     p.add_argument("--rounds", type=int, default=0, help="rounds of the comparison phase")
     p.add_argument("--out", type=Path, default=BENCH, help="where RESULTS.md/results.json go")
+    p.add_argument(
+        "--only",
+        default="",
+        help=f"comma-separated phases to run (of {', '.join(PHASES)}; default: all). For "
+        "iterating on one figure: the report then lists only what ran",
+    )
+    p.add_argument(
+        "--mixed-rate",
+        type=float,
+        default=0.0,
+        help="small requests per second in the mixed phase (default: a quarter of kvproxy's "
+        "saturated rate in this run, or 1,200 when the comparison did not run)",
+    )
     p.set_defaults(mode="full")
     args = p.parse_args(argv)
 
@@ -414,18 +464,42 @@ def main(argv: list[str] | None = None) -> int:
     meta["rounds"] = bench.rounds
     meta["method"] = method_lines(pinned, bench)
     results: dict[str, Any] = {"meta": meta}
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    unknown = only - set(PHASES)
+    if unknown:
+        print(f"bench: unknown phase(s) {sorted(unknown)}; known: {PHASES}", file=sys.stderr)
+        return 2
+
+    def wanted(phase: str) -> bool:
+        return not only or phase in only
+
     try:
         chat, sse = bench.start_upstreams()
-        small, relay, starters = bench.comparison(chat, sse)
-        results["small_chat"], results["sse"] = small, relay
+        small: dict[str, Any] = {}
+        if wanted("comparison"):
+            small, relay, starters = bench.comparison(chat, sse)
+            results["small_chat"], results["sse"] = small, relay
+        else:
+            starters = bench.starters()
         if args.mode != "tiny":
-            results["policy_cost"] = bench.policy_cost(chat)
-            results["profile"] = bench.profile(chat, sse)
-            results["budget_backend"] = bench.budget_cost(chat)
-            results["long_prompts"] = bench.long_prompts(chat, starters)
-            results["decision_latency"] = bench.decision_latency()
-            results["mixed"] = bench.mixed(chat, small.get("kvproxy", {}).get("rps"))
-            results["memory"] = bench.memory(chat)
+            if wanted("policy"):
+                results["policy_cost"] = bench.policy_cost(chat)
+            if wanted("profile"):
+                results["profile"] = bench.profile(chat, sse)
+            if wanted("budget"):
+                results["budget_backend"] = bench.budget_cost(chat)
+            if wanted("long"):
+                results["long_prompts"] = bench.long_prompts(chat, starters)
+            if wanted("concurrent"):
+                results["long_concurrent"] = bench.long_concurrent(chat, starters)
+            if wanted("decision"):
+                results["decision_latency"] = bench.decision_latency()
+            if wanted("mixed"):
+                rps = args.mixed_rate / 0.25 if args.mixed_rate else None
+                rps = rps or small.get("kvproxy", {}).get("rps") or MIXED_DEFAULT_RPS / 0.25
+                results["mixed"] = bench.mixed(chat, rps)
+            if wanted("memory"):
+                results["memory"] = bench.memory(chat)
         else:
             bench.notes.append("tiny mode: long-prompt, mixed and memory phases skipped")
     finally:
@@ -485,6 +559,10 @@ def method_lines(pinned: bool, bench: Bench) -> list[str]:
         "after another; loop lag from kvproxy's kvproxy_event_loop_lag_seconds histogram "
         "delta (p99 interpolated as histogram_quantile does).",
         "Memory: VmRSS after 20 small requests; peak = VmHWM after four concurrent 4 MB prompts.",
+        "Long prompts under concurrency: a Python asyncio client on CPU 1, one keep-alive "
+        "connection per concurrent client, ~100k / ~1M-token chats of varied text; kvproxy "
+        "with a simulated pool just above the prompt (110,000 / 1,100,000 tokens), so each "
+        "prompt is counted exactly; a fresh target per size.",
         "kvproxy stays pinned to CPU 0 in every phase, so its tokenizer threads share one core "
         "(a sidecar with a 1-CPU limit); the 4 MB exact count would be faster with two.",
         f"Rounds: {bench.rounds}; each figure is the median over rounds; target order rotated "

@@ -311,6 +311,15 @@ REJECTIONS = Row(
             unit="s",
         ),
         Panel(
+            "kvproxy's own time: before upstream, per relayed chunk (s)",
+            "timeseries",
+            "What the sidecar adds (kvproxy_overhead_seconds): request = from the body's arrival "
+            "to the request handed upstream (or refused), budget queueing excluded; chunk = "
+            "mean time from a response chunk's arrival to its hand-over to the client.",
+            quantiles("kvproxy_overhead_seconds", "phase", (0.5, 0.99), "{{phase}}"),
+            unit="s",
+        ),
+        Panel(
             "Token-count drift (engine usage - kvproxy count)",
             "timeseries",
             "Engine usage.prompt_tokens minus kvproxy's exact count. Positive drift means the "

@@ -93,15 +93,26 @@ local function forget(id)
 end
 """
 
-# KEYS: leases tokens usage queue qexp seq lapsed epoch
+# KEYS: leases tokens usage queue qexp seq lapsed epoch released-channel
 # ARGV: id tokens max_tokens max_requests lease_ttl_ms waiter_ttl_ms lapse_ms epoch
-#       (max < 0: no limit)
+#       (max < 0: no limit), then the ids of leases this replica gives back (RELEASE's
+#       work, carried by the next acquisition so a busy replica makes one call per request)
 # Returns {granted (1/0, -1: fenced), tokens in use, requests in use, leases dropped}.
 # Idempotent per id, so the client may retry a call whose reply it lost.
 # Strict FIFO across replicas: a request is granted only when the queue is empty or it is
 # the head, and a head that does not fit blocks those behind it, as the local budget does.
+# The leases given back go first and unfenced (releases only give back), so the room they
+# free is seen by this very acquisition.
 ACQUIRE = (
-    """
+    _FORGET_ONE
+    + """
+local freed = 0
+for i = 9, #ARGV do
+  freed = freed + forget(ARGV[i])
+end
+if freed > 0 and redis.call('ZCARD', KEYS[4]) > 0 then
+  redis.call('PUBLISH', KEYS[9], 'acquire')
+end
 local lapse_ms = tonumber(ARGV[7])
 if tonumber(ARGV[8]) < tonumber(redis.call('GET', KEYS[8]) or '0') then
   return {-1, 0, 0, 0}

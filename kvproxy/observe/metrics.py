@@ -37,6 +37,12 @@ DRIFT_BUCKETS = (-4096, -1024, -256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256, 102
 DEFERRED_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 180, 300, 600)
 REDIS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                  0.5, 1)  # fmt: skip
+# kvproxy's own time: ~50 us for a small request's stages, ~10 us per relayed chunk, up to
+# ~100 ms for an exact count of a 1M-token prompt (bench/RESULTS.md).
+OVERHEAD_SECONDS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)  # fmt: skip
+# kvproxy_overhead_seconds' phases: before the request goes upstream, and per relayed chunk.
+OVERHEAD_PHASES = ("request", "chunk")
 QUEUE_SECONDS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 COUNT_METHODS: tuple[CountMethod, ...] = get_args(CountMethod)
@@ -122,6 +128,17 @@ class Metrics:
             "Time from request start to the end of the response (or of the drain).",
             ["route"],
             buckets=LONG_SECONDS,
+            registry=r,
+        )
+        # One definition of "what the sidecar adds" (the serve handler and relay observe it).
+        self.overhead = Histogram(
+            "kvproxy_overhead_seconds",
+            "Time kvproxy itself adds, by route, decision and phase: phase=request from the "
+            "request body's arrival to the request handed to the upstream client (or the "
+            "refusal), less any wait for in-flight budget; phase=chunk, once per response, the "
+            "mean time from a response chunk's arrival to its write to the client.",
+            ["route", "decision", "phase"],
+            buckets=OVERHEAD_SECONDS,
             registry=r,
         )
         self.upstream_ttft = Histogram(

@@ -35,7 +35,7 @@ _NOT_LOGGED = frozenset(
     {
         "request", "services", "state", "match", "style", "body", "headers", "reply_headers",
         "model_services", "cluster", "shape", "count", "verdict", "lease", "started",
-        "unclamped", "tried", "body_memory",
+        "unclamped", "tried", "body_memory", "body_at",
     }
 )  # fmt: skip
 
@@ -91,6 +91,8 @@ class RequestContext:
     lease: Lease | None = None
     # This request's share of the body-memory budget while its body is read and counted.
     body_memory: BodyReservation | None = None
+    # When the whole body had arrived (monotonic; 0: not read): kvproxy's own time starts here.
+    body_at: float = 0.0
 
     @property
     def streaming(self) -> bool:
@@ -119,6 +121,14 @@ class RequestContext:
         if self.body_memory is not None:
             self.body_memory.release()
             self.body_memory = None
+
+    def overhead_s(self, now: float) -> float:
+        """kvproxy's own time until `now`: since the body arrived (the head, for a request
+        answered before reading it), less the wait for in-flight budget (a policy's queue,
+        measured apart by kvproxy_queue_wait_seconds)."""
+        since = self.body_at or self.started
+        waited = self.lease.waited_s if self.lease is not None else 0.0
+        return max(0.0, now - since - waited)
 
     def finish(self) -> None:
         self.duration_s = round(time.monotonic() - self.started, 6)

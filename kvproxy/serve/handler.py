@@ -131,6 +131,10 @@ async def _run(ctx: RequestContext, stages: tuple[Stage, ...]) -> web.StreamResp
         return None
     if isinstance(stop, KvproxyError):
         return _refuse(ctx, stop)
+    # kvproxy's own time before the first send (a retry's wait on a failed connect is not).
+    ctx.services.metrics.overhead.labels(ctx.route, ctx.decision, "request").observe(
+        ctx.overhead_s(time.monotonic())
+    )
     resp, exchange = await _send(ctx)
     if _observe_health(ctx, exchange) and not client_gone(ctx.request):
         # Nothing of it reached that router: it may go to another cluster that holds it,
@@ -200,6 +204,9 @@ def _observe_health(ctx: RequestContext, exchange: Exchange) -> bool:
 
 def _refuse(ctx: RequestContext, err: KvproxyError) -> web.Response:
     """The one way a request is refused: nothing of it was sent upstream (I7)."""
+    ctx.services.metrics.overhead.labels(ctx.route, "rejected", "request").observe(
+        ctx.overhead_s(time.monotonic())
+    )
     ctx.release_lease()
     ctx.decision = "rejected"
     ctx.reason = err.reason
@@ -296,6 +303,7 @@ async def read_body(ctx: RequestContext) -> Stop | None:
     ctx.bytes_in = len(body)
     if ctx.body_memory is not None:
         ctx.body_memory.shrink_to(len(body))
+    ctx.body_at = time.monotonic()
     return None
 
 

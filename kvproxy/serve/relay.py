@@ -93,6 +93,10 @@ class Exchange:
         self.client: web.StreamResponse | None = None
         self.inspector: ResponseInspector | None = None
         self.whole: bytes | None = None  # a body that arrived whole, sent at EOF
+        # kvproxy_overhead_seconds{phase="chunk"}: the time from each relayed chunk's arrival
+        # to its hand-over to the client's connection, summed, and the chunks relayed.
+        self.relay_s = 0.0
+        self.relayed = 0
         # The upstream failure that ended the exchange, if one did (the handler's passive
         # health reads it with `upstream`: a connect failure, or a 5xx head).
         self.failure: UpstreamFailure | None = None
@@ -214,6 +218,12 @@ class Exchange:
             self._close_upstream()
             s.watcher.unwatch(self.request)
             self._account_deferral()
+            if self.relayed:
+                # Once per response (an observation per chunk would cost ~10% of a chunk).
+                r = self.record
+                s.metrics.overhead.labels(r.route, r.decision, "chunk").observe(
+                    self.relay_s / self.relayed
+                )
 
     async def _headers_phase(
         self, send: asyncio.Future[UpstreamResponse]
@@ -354,6 +364,8 @@ class Exchange:
                 )
             if not kept.forward:
                 continue
+            self.relay_s += time.monotonic() - now
+            self.relayed += 1
             if self.client is None and not is_sse and up.at_eof():
                 # The whole body is here and nothing was sent yet: answer it in one write at
                 # EOF (the next read) instead of a prepared stream, a write and an EOF.

@@ -221,6 +221,12 @@ class TokenCounter:
                 if decided is not None:
                     return decided
             async with asyncio.timeout(self._timeout_s):
+                if guarded and not small and self._local is not None:
+                    # The whole decision in one worker call (bound, features, render, count):
+                    # each thread hop costs the loop a wake-up and this request ~0.1 ms.
+                    return await self._offload(
+                        self._decide_local, shape, admit_at_most, total_at_most
+                    )
                 if guarded and not small:
                     # Off the loop: the walk and the features read every field.
                     judged = await self._offload(self._judged, shape, admit_at_most)
@@ -272,8 +278,13 @@ class TokenCounter:
 
     def _judged(self, shape: PromptShape, admit_at_most: int) -> _Judged:
         """The guaranteed bound, and (unless it admits) the features the exact count is not
-        verified for: both read every field, so large requests get them in a worker."""
-        g = self._guaranteed(shape, admit_at_most)
+        verified for: both read every field, so large requests get them in a worker.
+
+        A chat whose strings alone are longer than the limit skips the walk when its
+        features are verified: the bound could not admit it, and the exact count decides
+        (the walk over a 400 KB non-ASCII message costs ~15x its count)."""
+        skip = self._walk_cannot_admit(shape, admit_at_most)
+        g = None if skip else self._guaranteed(shape, admit_at_most)
         if g is not None and g <= admit_at_most and self._trust_bound:
             return _Judged(g, (), "")
         unverified: tuple[str, ...] = ()
@@ -285,7 +296,23 @@ class TokenCounter:
         if shape.route not in CHAT_ROUTES:
             # A field the parser does not model may be prompt text: never exact.
             unverified = (*unverified, "unknown:body")
+        if skip and unverified:
+            # The bound decides this one after all: it must be the walk's.
+            g = self._guaranteed(shape, admit_at_most)
         return _Judged(g, unverified, where)
+
+    def _walk_cannot_admit(self, shape: PromptShape, admit_at_most: int) -> bool:
+        """Whether the guaranteed bound surely exceeds `admit_at_most`, known in O(1): a
+        chat's bound charges at least one token per byte (so per character) of the strings
+        the shape holds, and an exact count is configured to decide instead.
+
+        Only ever saves work: were it wrong, the exact count would decide a request the
+        bound could have admitted, which I1 allows."""
+        return (
+            self.method != "bound"
+            and shape.route in CHAT_ROUTES
+            and max((p.text_chars for p in shape.prompts), default=0) > admit_at_most
+        )
 
     def _on_guarantee(
         self, shape: PromptShape, judged: _Judged, admit_at_most: int, total_at_most: int | None
@@ -371,7 +398,8 @@ class TokenCounter:
 
     def _unframed(self, plans: list[_Plan]) -> list[_Plan]:
         # Near the limit: the decision rests on the template's own render.
-        return [self._plan_chat(p.seq, framed=False) if p.framed else p for p in plans]
+        # Their frames' bounds did not admit: the renders' own need not be scanned again.
+        return [self._plan_chat(p.seq, framed=False, loose=True) if p.framed else p for p in plans]
 
     async def _count(
         self,
@@ -381,7 +409,9 @@ class TokenCounter:
         plans: list[_Plan] | None,
     ) -> TokenCount:
         if plans is None:  # a large shape: planned (and rendered) off the loop
-            plans = await self._offload(self._plan, shape)
+            # A bound that cannot admit needs no frame: render plainly at once.
+            framed = not self._walk_cannot_admit(shape, admit_at_most)
+            plans = await self._offload(self._plan, shape, framed, not framed)
             decided = self._on_bound(plans, admit_at_most, total_at_most)
             if decided is None:
                 # On the loop: reading features is bounded work (tokens.features caps the
@@ -394,12 +424,35 @@ class TokenCounter:
                 plans = await self._offload(self._unframed, plans)
         elif any(p.framed for p in plans):
             plans = self._unframed(plans)
-        bound = max(p.bound for p in plans)
         if self._local is not None:
             counted = await self._offload(self._exact_local, plans, admit_at_most)
         else:
             counts = await asyncio.gather(*(self._exact_engine(p, shape) for p in plans))
             counted = [Partial(n, "exact" if e else "upper") for n, e in counts]
+        return self._counted(plans, counted)
+
+    def _decide_local(
+        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
+    ) -> TokenCount:
+        """A large guarded request with a local tokenizer, decided in a worker: `count`'s
+        guarded path and `_count`'s, without a thread hop between them."""
+        judged = self._judged(shape, admit_at_most)
+        decided = self._on_guarantee(shape, judged, admit_at_most, total_at_most)
+        if decided is not None:
+            return decided
+        # The guarantee left it to the replica: its features are verified (else the
+        # guarantee decided above), so `_gated` has nothing to withhold.
+        framed = not self._walk_cannot_admit(shape, admit_at_most)
+        plans = self._plan(shape, framed, not framed)
+        decided = self._on_bound(plans, admit_at_most, total_at_most)
+        if decided is not None:
+            return decided
+        if any(p.framed for p in plans):
+            plans = self._unframed(plans)
+        return self._counted(plans, self._exact_local(plans, admit_at_most))
+
+    def _counted(self, plans: list[_Plan], counted: list[Partial]) -> TokenCount:
+        bound = max(p.bound for p in plans)
         over = [c.tokens for c in counted if c.kind == "lower"]
         if over:
             # Some sequence is over the limit: the max is too, whatever the others hold.
@@ -433,9 +486,11 @@ class TokenCounter:
 
     # --- plans (sync: on the loop for small shapes, else in a worker) -----------------------
 
-    def _plan(self, shape: PromptShape) -> list[_Plan]:
+    def _plan(self, shape: PromptShape, framed: bool = True, loose: bool = False) -> list[_Plan]:
         chat = shape.route in CHAT_ROUTES
-        return [self._plan_chat(s) if chat else self._plan_text(s) for s in shape.prompts]
+        return [
+            self._plan_chat(s, framed, loose) if chat else self._plan_text(s) for s in shape.prompts
+        ]
 
     def _media(self, seq: SequencePrompt) -> int:
         return seq.images * self._image_tokens + seq.audios * self._audio_tokens
@@ -448,7 +503,9 @@ class TokenCounter:
         exact = len(seq.texts) <= 1 and not (seq.images or seq.audios)
         return _Plan(seq, False, bound, seq.texts, (), False, fixed, exact)
 
-    def _plan_chat(self, seq: SequencePrompt, framed: bool = True) -> _Plan:
+    def _plan_chat(self, seq: SequencePrompt, framed: bool = True, loose: bool = False) -> _Plan:
+        """`loose`: the caller knows the bound cannot admit (an exact count decides), so the
+        render's bound is the O(1) `bounds.loose_bound` instead of a scan of every byte."""
         media = self._media(seq)
         segments = self._frames.render(seq) if framed and self._frames is not None else None
         if segments is not None:
@@ -459,7 +516,8 @@ class TokenCounter:
             # One render per distinct engine normalisation; plain role/content chats on a
             # "string"-format template (the common case) have exactly one.
             first, *others = self._template.render_all(seq)
-            bound = max(bounds.segments_bound(r, self._rule) for r in (first, *others)) + media
+            measure = bounds.loose_bound if loose else bounds.segments_bound
+            bound = max(measure(r, self._rule) for r in (first, *others)) + media
             return _Plan(seq, True, bound, first, tuple(others), True, media, media == 0)
         texts = (*seq.texts, seq.template_kwargs_json)
         tools = bounds.text_bound(seq.tools_json, self._rule) if seq.tools else None

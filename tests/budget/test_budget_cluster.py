@@ -321,3 +321,33 @@ async def test_describe_json_names_no_secret(tmp_path: Path) -> None:
             assert "pw-never-shown" not in repr(b.describe_json())
         finally:
             await b.aclose()
+
+
+async def _script_calls(server: RedisServer) -> int:
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        stats = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return sum(int(stats.get(k, {}).get("calls", 0)) for k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+async def test_a_busy_replica_makes_one_call_per_request(tmp_path: Path) -> None:
+    """A lease given back rides along with the replica's next acquisition (scripts.ACQUIRE
+    forgets it first): back-to-back requests cost one Redis script call each, not two; and a
+    release with no acquisition after it still reaches Redis on its own."""
+    async with redis_server(tmp_path) as server, replicas(server, 1) as (a,):
+        (await a.acquire(10)).release()
+        await asyncio.sleep(0.1)  # the warm-up's release reaches Redis on its own
+        before = await _script_calls(server)
+        for _ in range(20):
+            lease = await a.acquire(10)
+            assert await usage(server) == (10, 1)  # the previous one was given back first
+            lease.release()
+        calls = await _script_calls(server) - before
+        assert calls <= 20 + 1  # 20 acquisitions (+ a renewal at most), no separate releases
+        for _ in range(500):  # bounded: the idle replica's release needs no acquisition
+            if await usage(server) == (0, 0):
+                break
+            await asyncio.sleep(0.01)
+        assert await usage(server) == (0, 0)

@@ -96,3 +96,18 @@ def test_router_kind_per_model_inherits_the_top_level_one() -> None:
     assert [s.for_model(spec).router_kind for spec in s.model_table()] == ["smg", "none"]
     with pytest.raises(ConfigError, match=r"^invalid setting models\.0\.router_kind "):
         load_settings(models=[{"name": "a", "engines": engines, "router_kind": "haproxy"}])
+
+
+def test_count_concurrency_defaults_to_the_cores_the_process_may_use() -> None:
+    # One core (a pinned sidecar): one count at a time; a second count thread on the same
+    # core doubled the CPU per long prompt (bench/PROFILE-LONG.md). An explicit value wins.
+    import subprocess
+    import sys
+
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from kvproxy.config import Settings; "
+        "print(Settings().count_concurrency, Settings(count_concurrency=3).count_concurrency)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "3"]
