@@ -24,11 +24,6 @@ SLOW_UNDER_TODAY: dict[tuple[str, str], str] = {}
 # Fuzz classes (oracles/fuzz.py) with violations today, fast form (4 examples per class on
 # one model per family) and slow form (20 per class on every shipped template).
 FUZZ_FAST_TODAY: dict[str, str] = {}
-# The MiniMax checkpoints whose tokenizer_config names GPT2Tokenizer (minimax,
-# minimax-m1-40k, minimax-text-01) fail every class: transformers 5, which the engines load
-# the tokenizer with, rebuilds it with GPT-2's ByteLevel pre-tokenizer and no NFC
-# normalizer, so the engine counts up to ~9 tokens more than tokenizer.json (kvproxy's).
-FUZZ_SLOW_TODAY: dict[str, str] = {
-    "plain": "GPT2Tokenizer-class MiniMax: up to 8 tokens under on 3 models",
-    "reasoning": "GPT2Tokenizer-class MiniMax: up to 9 under on 3 models",
-}
+# The GPT2Tokenizer-class MiniMax checkpoints counted under before kvproxy built the pipeline
+# transformers 5 builds (tokens.hfbuild): closed.
+FUZZ_SLOW_TODAY: dict[str, str] = {}
