@@ -203,6 +203,19 @@ def engine_pipelines(
         )
     as_is = _with_added(spec, _config_added(config, spec, {}))
     specs = [as_is]
+    changed_flags = [as_is is not spec]
+    notes: list[str] = []
+    if counting_view(as_is) != counting_view(spec):
+        # The config registers tokens the file lacks. A loader that reads tokenizer.json
+        # alone (a gateway tokenizing in Rust, PreTrainedTokenizerFast(tokenizer_file=...))
+        # does not: "x<tool_call>y" is 3 tokens with the config's token, 5 without, and
+        # the split can go either way at a boundary. Count with both, the largest.
+        specs.append(spec)
+        changed_flags.append(False)
+        notes.append(
+            "tokenizer_config.json adds tokens tokenizer.json lacks: counted with and "
+            "without them, the largest"
+        )
     rebuilt_by: list[str] = []
     for name in engine_classes(config, raw, model_type):
         if not name:
@@ -217,16 +230,16 @@ def engine_pipelines(
             return unmodelled(f"transformers rebuilds {name} as BPE; this tokenizer.json is not")
         if all(counting_view(rebuilt) != counting_view(s) for s in specs):
             specs.append(rebuilt)
+            changed_flags.append(True)
             rebuilt_by.append(name)
-    changed = (as_is is not spec, *(True for _ in rebuilt_by))
-    if not rebuilt_by:
-        return Pipelines((as_is,), changed=changed)
-    changes = ", ".join(dict.fromkeys(d for r in specs[1:] for d in differs(as_is, r)))
-    note = (
-        f"transformers 5 rebuilds {', '.join(rebuilt_by)} from its own defaults ({changes} "
-        "differ from tokenizer.json): counted with each, the largest"
-    )
-    return Pipelines(tuple(specs), note=note, changed=changed)
+    if rebuilt_by:
+        rebuilds = specs[len(specs) - len(rebuilt_by) :]
+        changes = ", ".join(dict.fromkeys(d for r in rebuilds for d in differs(as_is, r)))
+        notes.append(
+            f"transformers 5 rebuilds {', '.join(rebuilt_by)} from its own defaults "
+            f"({changes} differ from tokenizer.json): counted with each, the largest"
+        )
+    return Pipelines(tuple(specs), note="; ".join(notes), changed=tuple(changed_flags))
 
 
 def _rebuild(spec: dict[str, Any], config: dict[str, Any], cls: str) -> dict[str, Any] | None:

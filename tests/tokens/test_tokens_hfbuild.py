@@ -315,3 +315,31 @@ def test_a_bare_tokenizer_json_says_it_cannot_see_the_declared_class(
     trained_bpe_dir: Path,
 ) -> None:
     assert "no tokenizer_config.json" in load_hf(trained_bpe_dir).describe()
+
+
+def test_a_token_only_the_config_adds_is_counted_with_and_without_it(
+    trained_bpe_dir: Path, tmp_path: Path
+) -> None:
+    """tokenizer_config.json's added_tokens_decoder names a token tokenizer.json lacks (found
+    on qwen-vl, whose config lists <tool_call> and whose tokenizer.json does not: kvproxy
+    counted 71 where PreTrainedTokenizerFast(tokenizer_file=...) counts 74). AutoTokenizer
+    registers it, a loader of the file alone does not: both are counted, the larger wins."""
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {
+            "90001": {"content": "<tool_call>", "special": False, "normalized": False}
+        },
+    }
+    d = _with_config(trained_bpe_dir, tmp_path / "tok", config)
+    ours = load_hf(d)
+    assert len(ours.alternates) == 1
+    assert "adds tokens tokenizer.json lacks" in ours.describe()
+    text = "x<tool_call>y " * 20
+    with_token, file_alone = (
+        len(t.encode(text, add_special_tokens=False)) for t in (ours.tokenizer, *ours.alternates)
+    )
+    assert with_token != file_alone
+    assert ours.count((text,)) == (max(with_token, file_alone), False)
+    # A token the file already holds changes nothing: one pipeline, exact counts.
+    same = _with_config(trained_bpe_dir, tmp_path / "same", {"tokenizer_class": ""})
+    assert load_hf(same).alternates == ()
