@@ -176,6 +176,19 @@ class ChatGuarantee:
         with and without tools, with and without fields that may reach the template beyond
         messages and tools (most requests have neither, and a template's tool preamble or a
         kwarg's branch then never prints)."""
+        # Immutable once built, and the proofs are the expensive part (four abstract runs
+        # over the AST): counters for the same template (a model behind several clusters,
+        # a reload) share one.
+        return _build(source, rule, special_tokens, tuple(sorted(specials.items())))
+
+    @classmethod
+    def _prove(
+        cls,
+        source: str,
+        rule: BoundRule | None,
+        special_tokens: int,
+        specials: Mapping[str, str],
+    ) -> ChatGuarantee | str:
         names = frozenset(specials)
         variants: dict[tuple[bool, bool], _Variant] = {}
         try:
@@ -384,3 +397,10 @@ def _nfc_safe(text: str) -> bool:
 
 
 __all__ = ["ChatGuarantee", "text_tokens"]
+
+
+@functools.lru_cache(maxsize=16)
+def _build(
+    source: str, rule: BoundRule | None, special_tokens: int, specials: tuple[tuple[str, str], ...]
+) -> ChatGuarantee | str:
+    return ChatGuarantee._prove(source, rule, special_tokens, dict(specials))
