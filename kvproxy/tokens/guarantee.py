@@ -181,29 +181,6 @@ class ChatGuarantee:
         # a reload) share one.
         return _build(source, rule, special_tokens, tuple(sorted(specials.items())))
 
-    @classmethod
-    def _prove(
-        cls,
-        source: str,
-        rule: BoundRule | None,
-        special_tokens: int,
-        specials: Mapping[str, str],
-    ) -> ChatGuarantee | str:
-        names = frozenset(specials)
-        variants: dict[tuple[bool, bool], _Variant] = {}
-        try:
-            for tools in (True, False):
-                for kwargs in (True, False):
-                    proof = prove(source, tools=tools, kwargs=kwargs, specials=names)
-                    variants[(tools, kwargs)] = _Variant(proof, specials)
-        except Unproven as exc:
-            return str(exc)
-        except RecursionError:
-            return "the template is nested too deeply to analyse"
-        if rule == "nfc":
-            ms.prepare()
-        return cls(variants, rule, special_tokens, _nfc_safe(source))
-
     def variant(self, body: Mapping[str, Any], route: str) -> _Variant:
         """The proof that covers this request: tools when it sends any; other fields when
         any top-level field but messages and tools may reach the template (every field of
@@ -396,11 +373,24 @@ def _nfc_safe(text: str) -> bool:
     return unicodedata.is_normalized("NFC", text) and not ms._has_marks(text)
 
 
-__all__ = ["ChatGuarantee", "text_tokens"]
-
-
 @functools.lru_cache(maxsize=16)
 def _build(
     source: str, rule: BoundRule | None, special_tokens: int, specials: tuple[tuple[str, str], ...]
 ) -> ChatGuarantee | str:
-    return ChatGuarantee._prove(source, rule, special_tokens, dict(specials))
+    names = frozenset(name for name, _ in specials)
+    variants: dict[tuple[bool, bool], _Variant] = {}
+    try:
+        for tools in (True, False):
+            for kwargs in (True, False):
+                proof = prove(source, tools=tools, kwargs=kwargs, specials=names)
+                variants[(tools, kwargs)] = _Variant(proof, dict(specials))
+    except Unproven as exc:
+        return str(exc)
+    except RecursionError:
+        return "the template is nested too deeply to analyse"
+    if rule == "nfc":
+        ms.prepare()
+    return ChatGuarantee(variants, rule, special_tokens, _nfc_safe(source))
+
+
+__all__ = ["ChatGuarantee", "text_tokens"]
