@@ -537,8 +537,9 @@ class RedisBudget:
 
     async def _release_ids(self, ids: list[str]) -> None:
         keys = [*self._keys.script_keys, self._keys.channel]
-        await self._call(lambda: self._release_script(keys=keys, args=ids))
+        _, used_t, used_r = await self._call(lambda: self._release_script(keys=keys, args=ids))
         self._unreleased.difference_update(ids)
+        self._seen(int(used_t), int(used_r), 0)
 
     # --- Redis calls ------------------------------------------------------------------------
 

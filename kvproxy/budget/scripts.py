@@ -150,8 +150,8 @@ return {0, used_t, used_r, #dropped}
 # KEYS: leases tokens usage queue qexp seq lapsed released-channel;  ARGV: ids
 # A lease given back, or a waiter that gave up (timeout, cancelled), perhaps granted by a
 # call whose reply was lost: out of the queue and out of the budget. Idempotent: a lease
-# released twice, or already dropped, changes nothing the second time. Returns how many
-# leases it gave back.
+# released twice, or already dropped, changes nothing the second time. Returns {leases
+# given back, tokens in use, requests in use}.
 RELEASE = (
     _FORGET_ONE
     + """
@@ -163,7 +163,10 @@ end
 if freed > 0 and redis.call('ZCARD', KEYS[4]) > 0 then
   redis.call('PUBLISH', KEYS[8], ARGV[1])
 end
-return freed
+-- The usage after the release: the replica's last view of the room, from which its cap
+-- for an outage that starts next is taken (a view left at the burst's peak is a zero cap).
+return {freed, tonumber(redis.call('HGET', KEYS[3], 'tokens') or '0'),
+        tonumber(redis.call('HGET', KEYS[3], 'requests') or '0')}
 """
 )
 

@@ -266,3 +266,27 @@ async def test_local_share_leaves_the_others_only_what_was_free(tmp_path: Path) 
             await a.acquire(1)  # A is above its share: nothing more until it is under
         for relay in (relay_a, relay_b, relay_c):
             relay.unblock()
+
+
+async def test_a_replica_idle_after_a_burst_keeps_its_share_in_an_outage(tmp_path: Path) -> None:
+    """The outage cap is taken from the last view of the cluster's use. A replica that took
+    90 of 100 and gave them back before Redis went must see the room its release made: its
+    cap is its full share (50), not 5 (what the view at the burst's peak left). Found by the
+    slow suite's Redis-stopped run: every request of the outage refused on both replicas."""
+    async with (
+        redis_server(tmp_path) as server,
+        relayed(server) as relay,
+        budget(relay.url, timeout_s=0.5, expected_replicas=2) as r,
+    ):
+        (await r.acquire(90)).release()
+        await until(lambda: r.describe_json()["unconfirmed_releases"] == 0)
+        assert await usage(server) == (0, 0)
+        relay.block()
+        await until(lambda: r.degraded)
+        lease = await r.acquire(50)
+        with pytest.raises(KvproxyError) as err:
+            await r.acquire(1)  # the share is the cap all the same
+        assert err.value.status == 429
+        lease.release()
+        relay.unblock()
+        await until(lambda: not r.degraded)
