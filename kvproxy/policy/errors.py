@@ -447,6 +447,9 @@ class UpstreamFailure(KvproxyError):
 
     kind: NetworkKind = "protocol"
     cause: str = ""
+    # No connection was opened: nothing of the request reached the upstream (a refused or
+    # timed-out connect, a name that did not resolve).
+    unsent: bool = False
 
 
 def upstream_failure(kind: NetworkKind, cause: str = "") -> UpstreamFailure:

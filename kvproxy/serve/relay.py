@@ -103,10 +103,10 @@ class Exchange:
 
     @property
     def not_sent(self) -> bool:
-        """No byte of the request reached the router: no connection could be opened (the
-        only failure a request may be moved to another cluster after)."""
+        """No byte of the request reached the router: no connection could be opened, refused
+        or timed out (the only failure a request may be moved to another cluster after)."""
         f = self.failure
-        return self.upstream is None and f is not None and f.kind in ("connect", "dns")
+        return self.upstream is None and f is not None and f.unsent
 
     @property
     def prompt_tokens(self) -> int | None:

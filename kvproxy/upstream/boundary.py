@@ -9,13 +9,18 @@ caller's own exception. Nothing else in kvproxy catches transport exceptions by 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import TracebackType
 from typing import Literal
 
 import aiohttp
 
 from kvproxy.policy import NetworkKind, errors
-from kvproxy.upstream.pool import UpstreamConnectError, UpstreamProtocolError
+from kvproxy.upstream.pool import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamProtocolError,
+)
 
 # What a network leg can raise: aiohttp's errors, the relay client's (kvproxy.upstream.pool), the
 # OS's (resets, refused connections, socket.gaierror) and timeouts (asyncio.timeout,
@@ -48,7 +53,11 @@ def failure_from(exc: BaseException) -> errors.UpstreamFailure:
     """The outcome of one network exception (for code that holds the exception already)."""
     if isinstance(exc, errors.UpstreamFailure):
         return exc
-    return errors.upstream_failure(classify(exc), type(exc).__name__)
+    kind = classify(exc)
+    failure = errors.upstream_failure(kind, type(exc).__name__)
+    if kind in ("connect", "dns") or isinstance(exc, UpstreamConnectTimeout):
+        failure = replace(failure, unsent=True)
+    return failure
 
 
 class _NetworkBoundary:

@@ -48,6 +48,12 @@ class UpstreamConnectError(ConnectionError):
         self.dns = dns
 
 
+class UpstreamConnectTimeout(TimeoutError):
+    """No connection to the upstream was opened within the connect timeout: a timeout like
+    any other to the client (504), but nothing of the request was sent, so a gateway may
+    move it to another cluster and eject this one, as after a refused connect."""
+
+
 class UpstreamResponse:
     """One response: its head, and its body as it arrives. Not reusable."""
 

@@ -28,7 +28,8 @@ head (kvproxy.upstream.connection counts them as bytes arrive; kvproxy.response.
 head may hold).
 
 Raises (kvproxy.upstream.boundary classifies them): UpstreamConnectError (refused, unreachable,
-DNS), ConnectionResetError (the upstream closed before the response ended), TimeoutError,
+DNS), UpstreamConnectTimeout (a TimeoutError: no connection within connect_timeout_s),
+ConnectionResetError (the upstream closed before the response ended), TimeoutError,
 UpstreamProtocolError (bytes llhttp cannot read as a response, a head it may not relay or
 past its bounds, or bytes with no request outstanding).
 
@@ -53,6 +54,7 @@ from kvproxy.policy import Origin, parse_origin
 from kvproxy.upstream.connection import READ_HIGH_WATER as READ_HIGH_WATER
 from kvproxy.upstream.connection import WRITE_PIECE, Connection, ConnectionLimits
 from kvproxy.upstream.connection import UpstreamConnectError as UpstreamConnectError
+from kvproxy.upstream.connection import UpstreamConnectTimeout as UpstreamConnectTimeout
 from kvproxy.upstream.connection import UpstreamProtocolError as UpstreamProtocolError
 from kvproxy.upstream.connection import UpstreamResponse as UpstreamResponse
 
@@ -241,7 +243,11 @@ class UpstreamPool:
             ) from exc
         except (ConnectionError, OSError) as exc:
             if isinstance(exc, TimeoutError):
-                raise
+                # A blackholed router (a lost node, a dropped SYN) ends here, not refused.
+                raise UpstreamConnectTimeout(
+                    f"no connection to {origin.host}:{origin.port} within "
+                    f"{self.connect_timeout_s:g} s"
+                ) from exc
             raise UpstreamConnectError(
                 f"cannot connect to {origin.host}:{origin.port}: {exc.strerror or exc}"
             ) from exc

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -298,3 +299,58 @@ async def test_disconnect_during_prefill_is_deferred_under_its_clusters_label(
         in_progress = sample(proxy, "kvproxy_deferred_cancellations_in_progress", upstream="small")
     assert by_label == {"small": (1, 1, 1), "large": (1, 1, 1)}
     assert in_progress == 0
+
+
+@contextlib.contextmanager
+def blackholed_port() -> Iterator[str]:
+    """A loopback URL whose connects hang, as a lost node's do: a listening socket with a
+    backlog of 0 that never accepts, its queue filled, so the kernel drops further SYNs."""
+    server = socket.socket()
+    held: list[socket.socket] = []
+    try:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        for _ in range(3):
+            c = socket.socket()
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(("127.0.0.1", port))
+            held.append(c)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for c in held:
+            c.close()
+        server.close()
+
+
+async def test_a_connect_timeout_moves_the_request_once_and_ejects_the_cluster(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A router whose connects hang (a lost node, a NetworkPolicy dropping SYNs) is as unsent
+    as a refused one: moved once, the cluster ejected. Before, the timeout was a 504 to
+    every client the cluster was picked for."""
+    with blackholed_port() as dead:
+        async with two_clusters(
+            small_url=dead, upstream_eject_s=60, upstream_connect_timeout_s=0.3
+        ) as (_small, large, proxy):
+            replies = [await post(http, proxy, 1_000) for _ in range(6)]
+            ejections = sample(
+                proxy,
+                "kvproxy_upstream_ejections_total",
+                model="default",
+                upstream="small",
+                cause="connect",
+            )
+            retries = sample(
+                proxy,
+                "kvproxy_routing_decisions_total",
+                model="default",
+                upstream="large",
+                reason="retry",
+            )
+            reached = await arrived(http, large)
+    assert [s for s, _ in replies] == [200] * 6
+    assert reached == 6
+    assert ejections == 1
+    assert retries == 1

@@ -119,3 +119,16 @@ def test_the_body_of_a_failure_names_the_outcome_in_both_styles() -> None:
     assert b'"code":"upstream_timeout"' in failure.body("openai")
     assert failure.body("sglang") == b'{"error":{"message":"the router did not answer in time"}}'
     assert b"TimeoutError" not in failure.body("openai")  # the cause is for logs, not bodies
+
+
+def test_only_a_failure_before_any_connection_is_unsent() -> None:
+    """A connect that timed out is a timeout to the client (504) like a read timeout, but
+    only it says nothing was sent: a gateway may move that request, never the other."""
+    from kvproxy.upstream.pool import UpstreamConnectError, UpstreamConnectTimeout
+
+    timed_out = failure_from(UpstreamConnectTimeout("no connection within 5 s"))
+    assert (timed_out.kind, timed_out.status, timed_out.unsent) == ("timeout", 504, True)
+    assert failure_from(UpstreamConnectError("refused")).unsent
+    assert failure_from(UpstreamConnectError("no such name", dns=True)).unsent
+    assert not failure_from(TimeoutError()).unsent  # a read timeout: the request was sent
+    assert not failure_from(ConnectionResetError()).unsent
