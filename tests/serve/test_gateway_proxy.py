@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import aiohttp
+import pytest
 from kvtest import FakeUpstream, wait_until
 from ports import free_port
 
@@ -185,31 +186,66 @@ async def test_one_clusters_engines_down_the_other_keeps_serving_and_ready(
     assert not_ready == 503
 
 
+@contextlib.contextmanager
+def blackholed_port() -> Iterator[str]:
+    """A loopback URL whose connects hang, as a lost node's do: a listening socket with a
+    backlog of 0 that never accepts, its queue filled, so the kernel drops further SYNs."""
+    server = socket.socket()
+    held: list[socket.socket] = []
+    try:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        for _ in range(3):
+            c = socket.socket()
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(("127.0.0.1", port))
+            held.append(c)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for c in held:
+            c.close()
+        server.close()
+
+
+@contextlib.contextmanager
+def refused_port() -> Iterator[str]:
+    """A loopback URL nothing listens on: connects are refused at once."""
+    yield f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.mark.parametrize("dead_router", [refused_port, blackholed_port], ids=["refused", "hangs"])
 async def test_a_connect_failure_moves_the_request_once_and_ejects_the_cluster(
-    http: aiohttp.ClientSession,
+    http: aiohttp.ClientSession, dead_router: Callable[[], contextlib.AbstractContextManager[str]]
 ) -> None:
-    # The small cluster's engines are measured but its router is gone: connections refused.
-    dead = f"http://127.0.0.1:{free_port()}"
-    async with two_clusters(small_url=dead, upstream_eject_s=60) as (_small, large, proxy):
-        replies = [await post(http, proxy, 1_000) for _ in range(6)]
-        ejected = sample(proxy, "kvproxy_upstream_ejected", model="default", upstream="small")
-        ejections = sample(
-            proxy,
-            "kvproxy_upstream_ejections_total",
-            model="default",
-            upstream="small",
-            cause="connect",
-        )
-        retries = sample(
-            proxy,
-            "kvproxy_routing_decisions_total",
-            model="default",
-            upstream="large",
-            reason="retry",
-        )
-        reached = await arrived(http, large)
-        async with http.get(proxy.admin_url + "/capacity") as resp:
-            capacity = await resp.json()
+    """The small cluster's engines are measured but its router is gone. Refused, or hanging
+    (a lost node, a NetworkPolicy dropping SYNs: before, that was a 504 to every client the
+    cluster was picked for), nothing was sent: the request moves once, the cluster is
+    ejected."""
+    with dead_router() as dead:
+        async with two_clusters(
+            small_url=dead, upstream_eject_s=60, upstream_connect_timeout_s=0.3
+        ) as (_small, large, proxy):
+            replies = [await post(http, proxy, 1_000) for _ in range(6)]
+            ejected = sample(proxy, "kvproxy_upstream_ejected", model="default", upstream="small")
+            ejections = sample(
+                proxy,
+                "kvproxy_upstream_ejections_total",
+                model="default",
+                upstream="small",
+                cause="connect",
+            )
+            retries = sample(
+                proxy,
+                "kvproxy_routing_decisions_total",
+                model="default",
+                upstream="large",
+                reason="retry",
+            )
+            reached = await arrived(http, large)
+            async with http.get(proxy.admin_url + "/capacity") as resp:
+                capacity = await resp.json()
     assert [s for s, _ in replies] == [200] * 6
     assert reached == 6
     assert ejections == 1  # then ejected: the others went straight to the large cluster
@@ -299,58 +335,3 @@ async def test_disconnect_during_prefill_is_deferred_under_its_clusters_label(
         in_progress = sample(proxy, "kvproxy_deferred_cancellations_in_progress", upstream="small")
     assert by_label == {"small": (1, 1, 1), "large": (1, 1, 1)}
     assert in_progress == 0
-
-
-@contextlib.contextmanager
-def blackholed_port() -> Iterator[str]:
-    """A loopback URL whose connects hang, as a lost node's do: a listening socket with a
-    backlog of 0 that never accepts, its queue filled, so the kernel drops further SYNs."""
-    server = socket.socket()
-    held: list[socket.socket] = []
-    try:
-        server.bind(("127.0.0.1", 0))
-        server.listen(0)
-        port = server.getsockname()[1]
-        for _ in range(3):
-            c = socket.socket()
-            c.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                c.connect(("127.0.0.1", port))
-            held.append(c)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        for c in held:
-            c.close()
-        server.close()
-
-
-async def test_a_connect_timeout_moves_the_request_once_and_ejects_the_cluster(
-    http: aiohttp.ClientSession,
-) -> None:
-    """A router whose connects hang (a lost node, a NetworkPolicy dropping SYNs) is as unsent
-    as a refused one: moved once, the cluster ejected. Before, the timeout was a 504 to
-    every client the cluster was picked for."""
-    with blackholed_port() as dead:
-        async with two_clusters(
-            small_url=dead, upstream_eject_s=60, upstream_connect_timeout_s=0.3
-        ) as (_small, large, proxy):
-            replies = [await post(http, proxy, 1_000) for _ in range(6)]
-            ejections = sample(
-                proxy,
-                "kvproxy_upstream_ejections_total",
-                model="default",
-                upstream="small",
-                cause="connect",
-            )
-            retries = sample(
-                proxy,
-                "kvproxy_routing_decisions_total",
-                model="default",
-                upstream="large",
-                reason="retry",
-            )
-            reached = await arrived(http, large)
-    assert [s for s, _ in replies] == [200] * 6
-    assert reached == 6
-    assert ejections == 1
-    assert retries == 1
