@@ -172,19 +172,27 @@ _CLOSE_AS: dict[Outcome, CloseUpstream] = {o: CloseUpstream(o) for o in DEFERRED
 # --- states and the events the table is keyed by ------------------------------------------
 
 
-class Client(Enum):
+class _Key(Enum):
+    """An Enum hashed by identity: the table is looked up by (client, upstream) and event
+    several times a request, and Enum's own __hash__ is a Python call (hash of the name)
+    where a member, a singleton, needs none."""
+
+    __hash__ = object.__hash__
+
+
+class Client(_Key):
     PRESENT = "present"
     GONE = "gone"
 
 
-class Up(Enum):
+class Up(_Key):
     AWAITING_HEADERS = "awaiting_headers"
     BEFORE_TOKEN = "before_token"
     STREAMING = "streaming"
     CLOSED = "closed"
 
 
-class On(Enum):
+class On(_Key):
     """An event as the table sees it: `handle` tells a chunk with a generated token from
     one without, and a deadline that is due from one that fired early."""
 
@@ -200,7 +208,7 @@ class On(Enum):
     SHUTDOWN = "Shutdown"
 
 
-class Mode(Enum):
+class Mode(_Key):
     """FIRST_TOKEN: streaming with until=first_token; COMPLETION: every other request."""
 
     FIRST_TOKEN = "first_token"

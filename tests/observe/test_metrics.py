@@ -3,7 +3,11 @@ exactly what prometheus_client's own `labels` would."""
 
 from __future__ import annotations
 
-from prometheus_client import generate_latest
+import math
+
+import prometheus_client
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvproxy.observe import metrics
 from kvproxy.observe.metrics import Metrics
@@ -32,3 +36,33 @@ def test_past_the_cache_bound_labels_still_work() -> None:
     m.rejections.labels(last, "default").inc()
     exported = generate_latest(m.registry).decode()
     assert f'kvproxy_rejections_total{{model="default",reason="{last}"}} 2.0' in exported
+
+
+def test_observe_lands_where_the_librarys_own_observe_does() -> None:
+    # The bisecting observe against prometheus_client's loop, on the bounds themselves,
+    # either side of them, negatives, infinities and NaN: the same bucket counts and sum.
+    bounds = (0.001, 0.01, 0.1, 1.0, 10.0)
+    ours = metrics.Histogram("h", "h", ["r"], buckets=bounds, registry=CollectorRegistry())
+    ref = prometheus_client.Histogram("h", "h", ["r"], buckets=bounds, registry=CollectorRegistry())
+    values = [-1.0, 0.0, math.inf, -math.inf, math.nan, 1e-9, 1e9]
+    for b in bounds:
+        values += [b, math.nextafter(b, -math.inf), math.nextafter(b, math.inf)]
+    for v in values:
+        ours.labels("x").observe(v)
+        ref.labels("x").observe(v)
+
+    def samples(h: prometheus_client.Histogram) -> list[tuple[str, dict[str, str], float]]:
+        return [
+            (s.name, s.labels, s.value)
+            for m in h.collect()
+            for s in m.samples
+            if not s.name.endswith("_created")
+        ]
+
+    got, want = samples(ours), samples(ref)
+    assert [s[:2] for s in got] == [s[:2] for s in want]
+    for (_, _, a), (_, _, b) in zip(got, want, strict=True):
+        assert a == b or (math.isnan(a) and math.isnan(b))
+    # A labelled parent without a child is refused, as by the library.
+    with pytest.raises(ValueError):
+        ours.observe(1.0)
