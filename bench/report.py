@@ -168,6 +168,13 @@ GOALS = (
         lambda r: _get(r, "memory", "kvproxy_tokenizer_rss_mib"),
     ),
     Goal(
+        "RSS with the real tokenizer loaded, tokenizer_backend hf",
+        " MB",
+        150,
+        False,
+        lambda r: _get(r, "memory", "kvproxy_tokenizer_hf_rss_mib"),
+    ),
+    Goal(
         "peak RSS under four concurrent 4 MB prompts",
         " MB",
         600,
@@ -528,6 +535,10 @@ def _memory_section(r: Results) -> list[str]:
             _fmt(mem.get("kvproxy_idle_rss_mib")),
         ],
         ["kvproxy, real tokenizer loaded", _fmt(mem.get("kvproxy_tokenizer_rss_mib"))],
+        [
+            "kvproxy, real tokenizer loaded, `KVPROXY_TOKENIZER_BACKEND=hf`",
+            _fmt(mem.get("kvproxy_tokenizer_hf_rss_mib")),
+        ],
         [
             f"kvproxy, peak (VmHWM) under {peak.get('concurrent', 4)} concurrent 4 MB prompts "
             f"(HTTP {peak.get('statuses')} {' '.join(peak.get('error_codes', []))})",

@@ -14,6 +14,7 @@ the whole run because an optional peer (LiteLLM) could not be installed or start
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import shlex
@@ -386,6 +387,11 @@ class Bench:
         if r:
             out["kvproxy_tokenizer_rss_mib"] = r["rss"]
             out["kvproxy_peak"] = r["peak"]
+        # The memory-for-speed setting: the same tokenizer counted by HF tokenizers alone.
+        hf = self.kvproxy_opts("exact")
+        hf = dataclasses.replace(hf, extra_env=(("KVPROXY_TOKENIZER_BACKEND", "hf"),))
+        r = self.with_target("kvproxy", targets.kvproxy_starter(hf), chat, idle)
+        out["kvproxy_tokenizer_hf_rss_mib"] = r and r["rss"]
         return out
 
 

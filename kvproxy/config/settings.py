@@ -167,6 +167,12 @@ class Settings(ModelFields, BaseSettings):
     # is verified. A models entry may name its own.
     router_kind: RouterSetting = "auto"
     count_timeout_s: float = Field(default=10.0, gt=0)
+    # What counts an `hf:` tokenizer. fastokens: ~20x faster exact counts of long prompts,
+    # its tables ~120 MB resident for Qwen-3 once it has encoded; hf: HF tokenizers alone,
+    # ~60 MB for the same tokenizer (a sidecar under a 150 MB memory limit), every exact
+    # count ~20x slower (bench/RESULTS.md, Memory). Both count the same (the start-up check
+    # holds fastokens to HF; HF is the reference).
+    tokenizer_backend: Literal["fastokens", "hf"] = "fastokens"
     # Counts at once: one per core this process may use, at most 2. Measured on one core
     # (bench/PROFILE-LONG.md): a second count thread there doubled the CPU per 100k-token
     # prompt at concurrency 16 (8.8-9.2 ms vs 4.8-5.5 ms) and tripled its p99.

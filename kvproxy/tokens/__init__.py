@@ -70,7 +70,9 @@ def build_counter(
             )
         kind, _, path = spec.partition(":")
         if kind == "hf":
-            local: Any = load_hf_counting(path)
+            local: Any = load_hf_counting(
+                path, use_fastokens=settings.tokenizer_backend == "fastokens"
+            )
         else:
             local = load_tiktoken(path, None)
         release_load_garbage()

@@ -102,17 +102,21 @@ class FastTokenizer(HfTokenizer):
 
 
 def load_hf_counting(
-    path: str | Path, *, load_fast: Callable[[str], Any] | None = None
+    path: str | Path, *, use_fastokens: bool = True, load_fast: Callable[[str], Any] | None = None
 ) -> HfTokenizer:
-    """The counting tokenizer for `hf:PATH`: fastokens when it agrees with HF, else HF.
+    """The counting tokenizer for `hf:PATH`: fastokens when it agrees with HF, else HF;
+    HF alone when not `use_fastokens` (the `tokenizer_backend: hf` setting: less memory, slower).
 
     Raises what `load_hf` raises (the file is missing or not a tokenizer); everything that
     goes wrong with fastokens falls back to HF instead. `load_fast` (tests) replaces
     fastokens' loader: it takes the tokenizer.json text and returns a tokenizer object.
     """
     hf, texts = load_hf_pipelines(path)
-    if hf.unmodelled:
-        return hf  # never counts (build_counter decides on the byte bound alone)
+    if hf.unmodelled or not use_fastokens:
+        # unmodelled: never counts (build_counter decides on the byte bound alone).
+        del texts
+        release_load_garbage()
+        return hf
     loader = load_fast or load_fastokens
     try:
         fast_toks = [loader(raw) for raw in texts]
