@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 import pytest
+import sweep
 from chat_reference import (
     REPORT,
     load_reference,
@@ -60,7 +61,7 @@ SIZES = [
     pytest.param(FAST_CONVERSATIONS, id="fast"),
     pytest.param(CONVERSATIONS, id="full", marks=pytest.mark.slow),
 ]
-MODELS = template_models()
+MODELS = sweep.every(template_models())
 pytestmark = pytest.mark.no_cover
 
 _WORDS = ["hello", "world", "the", "data", "def", "x = 1", "数据", "テスト", "émoji 👩‍👩‍👧", "  "]

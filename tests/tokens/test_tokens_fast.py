@@ -33,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+import sweep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -62,6 +63,9 @@ SHIPPED = _shipped()
 UNLOADABLE = {"jiutian-139moe-chat"}
 # The pairs compared below; the unloadable ones have their own test (HF counts them).
 LOADABLE = [m for m in SHIPPED if m not in UNLOADABLE]
+# make test: the tokenizers of one model per template family; make test-slow: the rest
+# (tests/sweep.py). Loaded in this order.
+ORDER = sweep.ordered(LOADABLE, templates=False)
 
 
 def _runs() -> dict[str, str]:
@@ -272,15 +276,16 @@ def _pools() -> Iterator[None]:
     _loading.clear()
 
 
-@pytest.fixture(scope="module", params=LOADABLE)
+@pytest.fixture(scope="module", params=sweep.every(LOADABLE, templates=False))
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    """One tokenizer pair; pytest groups the tests by it. The next one in LOADABLE order
-    loads meanwhile (at most two pairs are in memory)."""
+    """One tokenizer pair; pytest groups the tests by it. The next one in ORDER loads
+    meanwhile if it is in the same suite (at most two pairs are in memory)."""
     model = str(request.param)
     current = _future(model)
-    following = LOADABLE.index(model) + 1
-    if following < len(LOADABLE):
-        _future(LOADABLE[following])
+    following = ORDER.index(model) + 1
+    fast = sweep.is_fast(model, templates=False)
+    if following < len(ORDER) and sweep.is_fast(ORDER[following], templates=False) == fast:
+        _future(ORDER[following])
     p = current.result()
     yield p
     _loading.pop(model, None)

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+import sweep
 from chat_reference import load_reference, model_dir, reference_count, template_models
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -61,7 +62,7 @@ MESSAGES = st.lists(st.fixed_dictionaries({"role": ROLE, "content": TEXT}), min_
 # Unmeasured (no coverage tracing, pytest-cov's marker): a sweep over every shipped template
 # whose kvproxy/ lines the rest of the suite measures; traced, it takes twice the CPU.
 @pytest.mark.no_cover
-@pytest.mark.parametrize("model", template_models())
+@pytest.mark.parametrize("model", sweep.every(template_models()))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(conversations=st.lists(MESSAGES, min_size=1, max_size=4), agp=st.booleans())
 def test_a_filled_frame_is_exactly_the_plain_render(

@@ -31,6 +31,7 @@ from typing import Any
 
 import orjson
 import pytest
+import sweep
 from chat_reference import Reference, load_reference, model_dir, template_models
 
 from kvproxy.prompt import parse_request
@@ -38,7 +39,7 @@ from kvproxy.tokens.guarantee import ChatGuarantee
 from kvproxy.tokens.local import load_hf
 
 N = int(os.environ.get("KVPROXY_GUARANTEE_N", "24"))
-MODELS = template_models()
+MODELS = sweep.every(template_models())
 ALIASES = ("reasoning", "reasoning_content", "thinking")
 
 _WORDS = ["hello", "world", "数据", "émoji 👩‍👩‍👧", "x = 1", "  ", "\u0301a", "<think>", "</think>"]

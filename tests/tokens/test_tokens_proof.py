@@ -9,6 +9,7 @@ templates against transformers.
 from __future__ import annotations
 
 import pytest
+import sweep
 from chat_reference import model_dir, template_models
 
 from kvproxy.tokens.guarantee import ChatGuarantee
@@ -152,7 +153,7 @@ def test_case_mappings_grow_a_character_at_most_three_times() -> None:
     assert worst_growth <= CASE_GROWTH
 
 
-@pytest.mark.parametrize("model", template_models())
+@pytest.mark.parametrize("model", sweep.every(template_models()))
 def test_every_shipped_template_is_proven(model: str) -> None:
     local = load_hf(model_dir(model))
     assert local.template is not None

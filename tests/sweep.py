@@ -1,0 +1,45 @@
+"""Sweeps over every shipped template or tokenizer: one model of each template family in
+`make test`, every other model in `make test-slow`.
+
+A per-template sweep (the differential against transformers, the proofs, the frames,
+fastokens against HF) costs seconds per model, and 43 models made them most of the fast
+suite's time. The families (tests/oracles/models.py: templates grouped by how they render
+roles, tools and reasoning) are what the sweeps tell apart; the fast suite keeps one model
+of each, with the tokenizer it is counted with, and the slow suite (CI runs both) every
+other one. A template no family names runs in the fast suite: a new template is never
+slow by default. Tokenizer sweeps (`templates=False`) keep only the fast models' tokenizers:
+kvproxy's own start-up check compares fastokens with HF on every tokenizer it loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+from oracles.models import FAMILY_OF, REPRESENTATIVES, SIBLING_TOKENIZER
+
+# The representatives, and the folders whose tokenizer.json they are counted with.
+FAST_MODELS = frozenset(REPRESENTATIVES) | {
+    SIBLING_TOKENIZER[m] for m in REPRESENTATIVES if m in SIBLING_TOKENIZER
+}
+
+
+def is_fast(model: str, *, templates: bool = True) -> bool:
+    return model in FAST_MODELS or (templates and model not in FAMILY_OF)
+
+
+def ordered(models: Iterable[str], *, templates: bool = True) -> list[str]:
+    """The fast suite's models first, each group in its given order."""
+    ms = list(models)
+    fast = [m for m in ms if is_fast(m, templates=templates)]
+    return fast + [m for m in ms if m not in fast]
+
+
+def every(models: Iterable[str], *, templates: bool = True) -> list[Any]:
+    """`models` as pytest params named by model, the fast suite's first and the others
+    marked slow."""
+    return [
+        pytest.param(m, id=m, marks=() if is_fast(m, templates=templates) else pytest.mark.slow)
+        for m in ordered(models, templates=templates)
+    ]
