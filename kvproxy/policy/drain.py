@@ -312,6 +312,17 @@ TRANSITIONS: Mapping[Mode, Mapping[State, Mapping[On, Row]]] = {
     Mode.COMPLETION: _COMPLETION_ROWS,
     Mode.FIRST_TOKEN: _merged(_COMPLETION_ROWS, _FIRST_TOKEN_ROWS),
 }
+# Per mode, the states in which a chunk, with a token or without, is forwarded and changes
+# nothing (read off the table: today a present client with a token relayed). The relay's
+# hot streaming path skips those events (`DrainMachine.chunks_change_nothing`).
+_QUIET: Mapping[Mode, frozenset[State]] = {
+    mode: frozenset(
+        state
+        for state, rows in table.items()
+        if all(rows.get(on) == (state, FORWARD) for on in (On.CHUNK, On.TOKEN))
+    )
+    for mode, table in TRANSITIONS.items()
+}
 
 
 class DrainMachine:
@@ -327,6 +338,7 @@ class DrainMachine:
         self.timeout_s = timeout_s
         mode = Mode.FIRST_TOKEN if streaming and until == "first_token" else Mode.COMPLETION
         self._table = TRANSITIONS[mode]
+        self._quiet = _QUIET[mode]
         self._client = Client.PRESENT
         self._up = Up.AWAITING_HEADERS
         # What the upstream had reached when it closed (for disconnects after the close).
@@ -358,6 +370,13 @@ class DrainMachine:
     def token_seen(self) -> bool:
         """A chunk with a generated token came while the upstream was open."""
         return Up.STREAMING in (self._up, self._up_reached)
+
+    @property
+    def chunks_change_nothing(self) -> bool:
+        """A chunk now, with a token or without, would be forwarded and change nothing (not
+        the state, not a counter): `handle` may be skipped for it. Once per relayed chunk,
+        so a set lookup rather than an event built and dispatched."""
+        return (self._client, self._up) in self._quiet
 
     @property
     def deferred(self) -> bool:

@@ -345,11 +345,14 @@ class Exchange:
                 self._observe_ttft(now - t_sent)
             if self._report(step):
                 return await self._block(up)
-            decision = m.handle(drain.UpstreamChunk(now=now, has_token=step.output))
-            if isinstance(decision, drain.CloseUpstream):
-                return None
-            if isinstance(decision, drain.Discard):
-                continue
+            # A token already reached a present client: every chunk is forwarded and changes
+            # nothing (the table says so), so the hot path skips building and dispatching it.
+            if not m.chunks_change_nothing:
+                decision = m.handle(drain.UpstreamChunk(now=now, has_token=step.output))
+                if isinstance(decision, drain.CloseUpstream):
+                    return None
+                if isinstance(decision, drain.Discard):
+                    continue
             truncated = insp.truncated
             kept = insp.keep(step.forward)
             if kept.refuse is not None:

@@ -325,6 +325,34 @@ def replay(seq: list[str], streaming: bool, until: DrainUntil) -> DrainMachine:
     return m
 
 
+@pytest.mark.parametrize(("streaming", "until"), CONFIGS)
+def test_a_chunk_the_machine_calls_quiet_changes_nothing(
+    streaming: bool, until: DrainUntil
+) -> None:
+    """The relay skips `handle` for chunks while `chunks_change_nothing` holds: in every
+    state reached by a valid event order where it holds, a chunk with or without a token
+    is forwarded and leaves the machine exactly as it was (state, counters, timestamps)."""
+    quiet = loud = 0
+    seen: set[tuple[str, ...]] = set()
+    for seq, decision in walk(streaming, until):
+        if decision is None or tuple(seq) in seen:
+            continue
+        seen.add(tuple(seq))
+        m = replay(seq, streaming, until)
+        if not m.chunks_change_nothing:
+            loud += 1
+            continue
+        quiet += 1
+        assert not m.client_gone
+        assert not m.upstream_closed
+        for has_token in (False, True):
+            m2 = copy.copy(m)
+            assert isinstance(m2.handle(UpstreamChunk(now=99.0, has_token=has_token)), Forward)
+            assert vars(m2) == vars(m), seq
+    assert quiet > 10
+    assert loud > 100
+
+
 # --- the named scenarios ----------------------------------------------------------------
 
 
