@@ -41,6 +41,18 @@ $(SMG_STAMP):
 
 smg: $(SMG_STAMP)
 
+# SGLang's own request models (sglang/srt/entrypoints/openai/protocol.py of the release the
+# oracles replicate), taken from its PyPI wheel: tests/oracles/test_oracle_sglang_protocol.py
+# holds the SGLang oracle's replica to them. The engine is not installed and nothing of it is
+# committed; the wheel (~40 MB) is deleted once the one file is out.
+SGLANG_VERSION  := 0.5.23
+SGLANG_PROTOCOL := .cache/sglang-$(SGLANG_VERSION)/protocol.py
+$(SGLANG_PROTOCOL): $(STAMP)
+	rm -rf $(dir $@) && mkdir -p $(dir $@)wheel
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps 'sglang==$(SGLANG_VERSION)' -d $(dir $@)wheel
+	$(PY) -c "import glob, sys, zipfile; w = zipfile.ZipFile(glob.glob(sys.argv[1] + '/sglang-*.whl')[0]); open(sys.argv[2], 'wb').write(w.read('sglang/srt/entrypoints/openai/protocol.py'))" $(dir $@)wheel $@.tmp
+	rm -rf $(dir $@)wheel && mv $@.tmp $@
+
 # Debian packages used by tests and benchmarks; installed only when missing and when root.
 sysdeps:
 	@missing=""; \
@@ -84,7 +96,8 @@ run: $(STAMP)
 # starting, servers answering, sleeps), which a third worker fills (docs/development.md, Commands).
 TEST_WORKERS ?= 3
 PYTEST_ARGS := -q -p no:cacheprovider
-test: $(STAMP) sysdeps
+test: $(STAMP) sysdeps $(SGLANG_PROTOCOL)
+	KVPROXY_SGLANG_PROTOCOL=$(abspath $(SGLANG_PROTOCOL)) \
 	$(PYTEST) $(PYTEST_ARGS) -m "not slow and not serial" -n $(TEST_WORKERS) --dist worksteal \
 	  --cov=kvproxy --cov-report= --cov-fail-under=0
 	$(PYTEST) $(PYTEST_ARGS) -m "serial and not slow" \
@@ -132,4 +145,4 @@ bench-peers: $(BENCH_STAMP) sysdeps
 	$(PY) bench/run.py --peers
 
 clean:
-	rm -rf $(VENV) $(SMG_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SMG_VENV) .cache .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,7 +1,8 @@
-"""The SGLang replica's request model held against SGLang's own pydantic models, when a copy
-of the release's `protocol.py` is at hand (`KVPROXY_SGLANG_PROTOCOL=/path/to/sglang/srt/
-entrypoints/openai/protocol.py`, e.g. from the sglang 0.5.23 wheel unpacked; skipped
-otherwise: the engine is not a test dependency and its code is never committed here).
+"""The SGLang replica's request model held against SGLang's own pydantic models, from the
+release's `protocol.py` (`KVPROXY_SGLANG_PROTOCOL=/path/to/sglang/srt/entrypoints/openai/
+protocol.py`: `make test` takes it from the sglang 0.5.23 wheel on PyPI, Makefile
+SGLANG_PROTOCOL; a bare `pytest` without it skips this module: the engine is not a test
+dependency and its code is never committed here).
 
 protocol.py imports only pydantic, openai's types, msgspec and `sglang.utils` at module
 level, so it loads on its own with those two stubbed. For fuzzed chat bodies, the replica
