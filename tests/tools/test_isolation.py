@@ -280,6 +280,7 @@ async def test_over_strict_boundary_is_its_own_verdict() -> None:
     assert "OVER_STRICT" in summary(report)
 
 
+@pytest.mark.slow
 async def test_an_unarmed_kvproxy_is_named_with_the_config_that_arms_it() -> None:
     """kvproxy's default configuration (no canaries, tenant header not trusted) in front of
     the vulnerable simulator: the leak is delivered, and the harness says why nothing was
