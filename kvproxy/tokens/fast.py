@@ -113,9 +113,8 @@ def load_hf_counting(
     """
     hf, texts = load_hf_pipelines(path)
     if hf.unmodelled or not use_fastokens:
-        # unmodelled: never counts (build_counter decides on the byte bound alone).
-        del texts
-        release_load_garbage()
+        # unmodelled: never counts (build_counter decides on the byte bound alone). The
+        # parse's garbage goes with build_counter's release_load_garbage, right after.
         return hf
     loader = load_fast or load_fastokens
     try:
