@@ -2,7 +2,10 @@
 # install what they need, including Debian packages the tests use (when run as root).
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-PYPROJECT_SUM := $(shell cksum pyproject.toml | cut -d' ' -f1)
+# Versions come from constraints.txt (the set the suites passed with); either file changing
+# reinstalls.
+PYPROJECT_SUM := $(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 STAMP   := $(VENV)/.installed-$(PYPROJECT_SUM)
 # The [router] extra on top (sglang-router 0.3.2, the slow suite's one legacy test).
 ROUTER_STAMP := $(VENV)/.installed-router-$(PYPROJECT_SUM)
@@ -21,20 +24,20 @@ IMAGE   ?= localhost/kvproxy:$(VERSION)
 
 .PHONY: run test test-slow test-faults faultdeps lint fmt sysdeps smg image dashboard bench bench-peers check-record clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,redis,test,dev]'
+	$(PIP_INSTALL) -e '.[tokenizers,redis,test,dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 $(ROUTER_STAMP): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,redis,test,dev,router]'
+	$(PIP_INSTALL) -e '.[tokenizers,redis,test,dev,router]'
 	touch $(ROUTER_STAMP)
 
 $(SMG_STAMP):
 	test -x $(SMG_VENV)/bin/python || python3 -m venv $(SMG_VENV)
-	$(SMG_VENV)/bin/python -m pip install -q --disable-pip-version-check 'smg==$(SMG_VERSION)'
+	$(SMG_VENV)/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt 'smg==$(SMG_VERSION)'
 	$(SMG_VENV)/bin/smg --version | grep -qx 'smg $(SMG_VERSION)'
 	rm -f $(SMG_VENV)/.installed-smg-*
 	touch $(SMG_STAMP)
@@ -135,7 +138,7 @@ dashboard: $(STAMP)
 # The bench extra (matplotlib, for bench/long_prompts.png) only where a bench runs.
 BENCH_STAMP := $(VENV)/.installed-bench-$(PYPROJECT_SUM)
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[tokenizers,redis,test,dev,bench]'
+	$(PIP_INSTALL) -e '.[tokenizers,redis,test,dev,bench]'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP) sysdeps

@@ -163,23 +163,50 @@ def test_entrypoint_is_kvproxy_serve_and_no_healthcheck() -> None:
     assert exposed == {"8080", "9090"}
 
 
-def test_constraints_pin_every_runtime_dependency() -> None:
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
-    project = pyproject["project"]
-    wanted = [*project["dependencies"], *project["optional-dependencies"]["tokenizers"]]
+def _pins(path: Path) -> dict[str, Version]:
     pins: dict[str, Version] = {}
-    for line in (REPO / "deploy" / "constraints.txt").read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             req = Requirement(line)
             (spec,) = req.specifier
             assert spec.operator == "==", f"{line} is not an exact pin"
             pins[canonicalize_name(req.name)] = Version(spec.version)
+    return pins
+
+
+def _assert_pinned(pins: dict[str, Version], wanted: list[str], where: str) -> None:
     for text in wanted:
         req = Requirement(text)
         name = canonicalize_name(req.name)
-        assert name in pins, f"{name} is not pinned in deploy/constraints.txt"
+        assert name in pins, f"{name} is not pinned in {where}"
         assert pins[name] in req.specifier, f"{name}=={pins[name]} violates {req.specifier}"
+
+
+def test_constraints_pin_every_runtime_dependency() -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    project = pyproject["project"]
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["tokenizers"]]
+    _assert_pinned(_pins(REPO / "deploy" / "constraints.txt"), wanted, "deploy/constraints.txt")
+
+
+def test_the_development_lock_pins_every_extra_and_agrees_with_the_image() -> None:
+    """`make` installs .venv with constraints.txt: every dependency of every extra is pinned
+    there, and a package the image also carries has the version the suites ran."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    project = pyproject["project"]
+    wanted = [*project["dependencies"]]
+    for extra in project["optional-dependencies"].values():
+        wanted.extend(extra)
+    lock = _pins(REPO / "constraints.txt")
+    _assert_pinned(lock, wanted, "constraints.txt")
+    image = _pins(REPO / "deploy" / "constraints.txt")
+    differ = {n: (str(v), str(lock.get(n))) for n, v in image.items() if lock.get(n) != v}
+    assert not differ, f"deploy/constraints.txt and constraints.txt disagree: {differ}"
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    installs = [ln for ln in makefile.splitlines() if "pip install" in ln and "-e '." in ln]
+    assert all("-c constraints.txt" in ln or "PIP_INSTALL" in ln for ln in installs), installs
+    assert "-c constraints.txt" in makefile
 
 
 def test_dockerignore_lets_in_everything_the_build_copies() -> None:
