@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,6 +248,16 @@ def render(r: Results) -> str:
             for v in verdicts
         ],
     )
+    spreads = [
+        (what, noise(r, sec)) for what, sec in (("small chat", "small_chat"), ("SSE", "sse"))
+    ]
+    told = [f"{what} ±{50 * got[1]:.1f} %" for what, got in spreads if got is not None]
+    if told:
+        out += [
+            "",
+            "Run-to-run noise of the two kvproxy/bare ratios in this run (half the spread "
+            "between its rounds): " + ", ".join(told) + ".",
+        ]
     out += ["", "## Machine and versions", ""]
     out += _table(
         ["", ""],
@@ -292,7 +303,8 @@ def render(r: Results) -> str:
         ],
         rows,
     )
-    out += ["", "Ratios of CPU per request: " + _ratios(r, "small_chat", "cpu_us_per_req"), ""]
+    out += ["", "Ratios of CPU per request: " + _ratios(r, "small_chat", "cpu_us_per_req")]
+    out += [_noise(r, "small_chat"), ""]
     out += ["## SSE relay", ""]
     rows = [
         [
@@ -305,7 +317,8 @@ def render(r: Results) -> str:
         for name, s in r.get("sse", {}).items()
     ]
     out += _table(["target", "chunks/s", "CPU µs/chunk", "p50 ms per stream", "errors"], rows)
-    out += ["", "Ratios of CPU per chunk: " + _ratios(r, "sse", "cpu_us_per_chunk"), ""]
+    out += ["", "Ratios of CPU per chunk: " + _ratios(r, "sse", "cpu_us_per_chunk")]
+    out += [_noise(r, "sse"), ""]
     out += _policy_section(r) + profile_phases.section(r) + _budget_section(r) + _long_section(r)
     out += _concurrent_section(r) + _mixed_section(r) + _memory_section(r)
     if r.get("problems"):
@@ -326,6 +339,28 @@ def _ratios(r: Results, section: str, key: str) -> str:
         if ratio is not None:
             parts.append(f"kvproxy/{other} = {ratio:.2f}×")
     return ", ".join(parts) if parts else "—"
+
+
+def noise(r: Results, section: str) -> tuple[list[float], float] | None:
+    """kvproxy/bare per round of the comparison and their spread, (max - min) / median: the
+    run's own noise on that ratio. None with fewer than two rounds."""
+    vals = [v for v in _get(r, "round_ratios", section) or [] if isinstance(v, int | float)]
+    if len(vals) < 2:
+        return None
+    mid = statistics.median(vals)
+    return vals, (max(vals) - min(vals)) / mid if mid else 0.0
+
+
+def _noise(r: Results, section: str) -> str:
+    got = noise(r, section)
+    if got is None:
+        return "Run-to-run noise: one round, not measured (a full run has two)."
+    vals, spread = got
+    per = ", ".join(f"{v:.2f}×" for v in vals)
+    return (
+        f"Run-to-run noise: kvproxy/bare per round {per}; spread {100 * spread:.1f} % of the "
+        "median (a later run's ratio within it is not a change)."
+    )
 
 
 def _policy_section(r: Results) -> list[str]:

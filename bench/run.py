@@ -109,6 +109,8 @@ class Bench:
         self.notes: list[str] = []
         self.failed = False
         self.sims: dict[str, str] = {}
+        # kvproxy/bare CPU per round of the comparison (report: the run-to-run noise).
+        self.round_ratios: dict[str, list[float]] = {"small_chat": [], "sse": []}
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -194,6 +196,7 @@ class Bench:
         relay: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
         for rnd in range(self.rounds):
             order = names[rnd % len(names) :] + names[: rnd % len(names)]
+            this_round: dict[str, dict[str, dict[str, Any]]] = {"small_chat": {}, "sse": {}}
             for name in order:
                 self.log(f"round {rnd + 1}/{self.rounds}: {name} small chat")
                 r = self.with_target(
@@ -201,6 +204,7 @@ class Bench:
                 )
                 if r:
                     small[name].append(r)
+                    this_round["small_chat"][name] = r
                 self.log(f"round {rnd + 1}/{self.rounds}: {name} SSE relay")
                 r = self.with_target(
                     name,
@@ -210,7 +214,17 @@ class Bench:
                 )
                 if r:
                     relay[name].append(r)
+                    this_round["sse"][name] = r
+            self._note_round_ratios(this_round)
         return _median_rows(small), _median_rows(relay), starters
+
+    def _note_round_ratios(self, rnd: dict[str, dict[str, dict[str, Any]]]) -> None:
+        """kvproxy/bare within one round: the spread of these over the rounds is the run's
+        own noise on its two headline ratios (what a later run is compared against)."""
+        for section, key in (("small_chat", "cpu_us_per_req"), ("sse", "cpu_us_per_chunk")):
+            k, b = rnd[section].get("kvproxy", {}).get(key), rnd[section].get("bare", {}).get(key)
+            if isinstance(k, int | float) and isinstance(b, int | float) and b > 0:
+                self.round_ratios[section].append(k / b)
 
     def policy_cost(self, chat: Upstream) -> dict[str, Any]:
         """Where kvproxy's CPU per small request goes: the same request through kvproxy
@@ -485,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         if wanted("comparison"):
             small, relay, starters = bench.comparison(chat, sse)
             results["small_chat"], results["sse"] = small, relay
+            results["round_ratios"] = bench.round_ratios
         else:
             starters = bench.starters()
         if args.mode != "tiny":

@@ -97,3 +97,15 @@ def test_policy_breakdown_rows_show_each_step_and_its_ratio_to_bare() -> None:
         "| + template | 1,250.0 | 2.50 | 300.0 | 2 |",
     ]
     assert report._policy_section({"small_chat": {}}) == []
+
+
+def test_the_run_reports_its_own_noise_on_the_headline_ratios() -> None:
+    results = {"round_ratios": {"small_chat": [1.70, 1.80], "sse": [1.6]}}
+    vals, spread = report.noise(results, "small_chat")  # type: ignore[misc]
+    assert vals == [1.70, 1.80]
+    assert spread == pytest.approx(0.10 / 1.75)
+    assert "per round 1.70×, 1.80×; spread 5.7 %" in report._noise(results, "small_chat")
+    # One round cannot measure a spread, and says so rather than printing 0 %.
+    assert report.noise(results, "sse") is None
+    assert "not measured" in report._noise(results, "sse")
+    assert report.noise({}, "sse") is None
