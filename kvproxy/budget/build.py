@@ -47,19 +47,22 @@ def build_budget(s: Settings, metrics: Metrics, model: str = IMPLICIT_MODEL) -> 
             f"budget_backend redis needs the redis extra: pip install 'kvproxy[redis]' ({exc})"
         ) from None
     assert s.redis_url is not None  # Settings refuses redis without a URL
-    return RedisBudget(
-        **sizing,
-        options=RedisOptions(
-            url=s.redis_url.get_secret_value(),
-            password=s.redis_password_value(),
-            ssl_ca_file=None if s.redis_tls_ca_file is None else str(s.redis_tls_ca_file),
-            key_prefix=s.redis_key_prefix,
-            # One budget per engine pool; unset, the model's own (kvproxy.config.models).
-            pool=s.budget_pool or model,
-            lease_ttl_s=s.redis_lease_ttl_s,
-            timeout_s=s.redis_timeout_s,
-            unavailable=s.redis_unavailable,
-            expected_replicas=s.budget_expected_replicas,
-            replica_id=default_replica_id(),
-        ),
-    )
+    try:
+        return RedisBudget(
+            **sizing,
+            options=RedisOptions(
+                url=s.redis_url.get_secret_value(),
+                password=s.redis_password_value(),
+                ssl_ca_file=None if s.redis_tls_ca_file is None else str(s.redis_tls_ca_file),
+                key_prefix=s.redis_key_prefix,
+                # One budget per engine pool; unset, the model's own (kvproxy.config.models).
+                pool=s.budget_pool or model,
+                lease_ttl_s=s.redis_lease_ttl_s,
+                timeout_s=s.redis_timeout_s,
+                unavailable=s.redis_unavailable,
+                expected_replicas=s.budget_expected_replicas,
+                replica_id=default_replica_id(),
+            ),
+        )
+    except ValueError as exc:  # a URL option the budget's client cannot honour
+        raise ConfigError(f"invalid setting redis_url (KVPROXY_REDIS_URL): {exc}") from None

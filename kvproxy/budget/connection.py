@@ -1,5 +1,5 @@
 """The budget's Redis connection: what it is configured with, how the client is built, and
-what counts as "Redis is unavailable". No budget logic (that is `budget_redis`)."""
+what counts as "Redis is unavailable". No budget logic (that is `budget.cluster`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+
+from kvproxy.budget.resp import RespClient, Script, Target
 
 # What "Redis is unavailable" means to us: any error of the client or the socket, and a
 # call that outlived its deadline. Script bugs (ResponseError) are RedisErrors too: failing
@@ -38,7 +40,34 @@ class RedisDown(Exception):
         self.cause = cause
 
 
-def make_client(o: RedisOptions) -> Any:
+class BudgetClient:
+    """What the budget calls Redis with: its scripts and pings on kvproxy's own pipelined
+    connection (`budget.resp`: one call per admitted request), pub/sub on redis-py's."""
+
+    def __init__(self, o: RedisOptions) -> None:
+        self._calls = RespClient(Target(o.url, o.password, o.ssl_ca_file), o.timeout_s)
+        self._pubsub = _redis_py(o)
+
+    def register_script(self, source: str) -> Script:
+        return self._calls.register_script(source)
+
+    async def ping(self) -> Any:
+        return await self._calls.ping()
+
+    def pubsub(self) -> Any:
+        return self._pubsub.pubsub()
+
+    async def aclose(self) -> None:
+        await self._calls.aclose()
+        await self._pubsub.aclose()
+
+
+def make_client(o: RedisOptions) -> BudgetClient:
+    """Raises ValueError for a URL the client cannot honour (an unknown option)."""
+    return BudgetClient(o)
+
+
+def _redis_py(o: RedisOptions) -> Any:
     kwargs: dict[str, Any] = {
         # Retries are ours (`RedisBudget._call`), under our deadline. The asyncio client's
         # own Retry: redis-py >= 8.2 warns when handed the synchronous one (and the test
