@@ -376,7 +376,7 @@ class Bench:
         )
 
     def memory(self, chat: Upstream) -> dict[str, Any]:
-        self.log("memory: RSS idle, with tokenizer, peak under four 4 MB prompts")
+        self.log("memory: RSS idle, with tokenizer, peak under sixteen 4 MB prompts")
         out: dict[str, Any] = {}
 
         def idle(run: Running) -> dict[str, Any]:
@@ -579,7 +579,8 @@ def method_lines(pinned: bool, bench: Bench) -> list[str]:
         "prompts are sent one "
         "after another; loop lag from kvproxy's kvproxy_event_loop_lag_seconds histogram "
         "delta (p99 interpolated as histogram_quantile does).",
-        "Memory: VmRSS after 20 small requests; peak = VmHWM after four concurrent 4 MB prompts.",
+        "Memory: VmRSS after 20 small requests; peak = VmHWM after sixteen concurrent 4 MB prompts "
+        "(kvproxy's default body-memory budget, 48 MiB, queues the bodies it has no room for).",
         "Long prompts under concurrency: a Python asyncio client on CPU 1, one keep-alive "
         "connection per concurrent client, ~100k / ~1M-token chats of varied text; kvproxy "
         "with a simulated pool just above the prompt (110,000 / 1,100,000 tokens), so each "

@@ -372,8 +372,9 @@ def rss_after_warmup(run: Running, requests: int = 20) -> procstat.Memory:
     return procstat.memory(run.pids[0])
 
 
-def peak_under_big(run: Running, concurrent: int = 4) -> dict[str, Any]:
-    """VmHWM after `concurrent` 4 MB prompts sent at once."""
+def peak_under_big(run: Running, concurrent: int = 16) -> dict[str, Any]:
+    """VmHWM after `concurrent` 4 MB prompts sent at once: what the body-memory budget
+    (`max_body_memory_bytes`) bounds, by queueing the bodies it has no room for."""
     body = long_chat_body(LONG_SIZES["4MB"])
     statuses: list[int] = []
     codes: list[str] = []
