@@ -30,7 +30,10 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis_server import needs_redis, redis_server
 
+from kvproxy.budget import build_budget
 from kvproxy.budget.resp import RespClient, Target
+from kvproxy.config import ConfigError, load_settings
+from kvproxy.observe.metrics import Metrics
 
 
 def client_for(url: str, password: str | None = None, timeout_s: float = 2.0) -> RespClient:
@@ -71,6 +74,15 @@ def test_tls_verifies_the_server_by_default() -> None:
 def test_an_option_it_cannot_honour_is_refused_not_ignored(url: str) -> None:
     with pytest.raises(ValueError, match="redis_url"):
         Target(url, None, None)
+
+
+async def test_the_server_refuses_such_a_url_at_start_with_the_setting_named() -> None:
+    s = load_settings(budget_backend="redis", redis_url="redis://:s3cret@h:1/0?max_connections=5")
+    with pytest.raises(ConfigError) as err:
+        build_budget(s, Metrics())
+    assert "KVPROXY_REDIS_URL" in str(err.value)
+    assert "max_connections" in str(err.value)
+    assert "s3cret" not in str(err.value)
 
 
 # --- a scripted server ----------------------------------------------------------------------
