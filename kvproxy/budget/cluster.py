@@ -55,7 +55,7 @@ from typing import Any, Literal
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from kvproxy.budget.connection import REDIS_DOWN, RedisDown, RedisOptions, make_client
+from kvproxy.budget.connection import REDIS_DOWN, BudgetClient, RedisDown, RedisOptions
 from kvproxy.budget.leases import Lease
 from kvproxy.budget.local import retry_after_s
 from kvproxy.budget.scripts import ACQUIRE, EPOCH_TTL_MS, RELEASE, RENEW, BudgetKeys
@@ -115,7 +115,7 @@ class RedisBudget:
         self._model = model  # the gauges' `model` label: one budget per model's pool
         self._keys = BudgetKeys.for_pool(options.key_prefix, options.pool)
         self._epoch_key = self._keys.epoch(options.replica_id)
-        self._client = client if client is not None else make_client(options)
+        self._client = client if client is not None else BudgetClient(options)
         self._acquire_script = self._client.register_script(ACQUIRE)
         self._release_script = self._client.register_script(RELEASE)
         self._renew_script = self._client.register_script(RENEW)

@@ -42,7 +42,8 @@ class RedisDown(Exception):
 
 class BudgetClient:
     """What the budget calls Redis with: its scripts and pings on kvproxy's own pipelined
-    connection (`budget.resp`: one call per admitted request), pub/sub on redis-py's."""
+    connection (`budget.resp`: one call per admitted request), pub/sub on redis-py's.
+    Raises ValueError for a URL the client cannot honour (an unknown option)."""
 
     def __init__(self, o: RedisOptions) -> None:
         self._calls = RespClient(Target(o.url, o.password, o.ssl_ca_file), o.timeout_s)
@@ -60,11 +61,6 @@ class BudgetClient:
     async def aclose(self) -> None:
         await self._calls.aclose()
         await self._pubsub.aclose()
-
-
-def make_client(o: RedisOptions) -> BudgetClient:
-    """Raises ValueError for a URL the client cannot honour (an unknown option)."""
-    return BudgetClient(o)
 
 
 def _redis_py(o: RedisOptions) -> Any:
