@@ -15,6 +15,7 @@ from typing import Any, Self, get_args
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
+from prometheus_client import values as prometheus_values
 
 from kvproxy.policy import (
     DEFERRED_OUTCOMES,
@@ -77,30 +78,90 @@ class _CachedLabels:
 
     _kv_children: dict[tuple[Any, ...], Any]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._kv_children = {}
+        super().__init__(*args, **kwargs)
+
     def labels(self, *values: Any, **kw: Any) -> Self:
+        child = self._kv_children.get(values)
+        if child is not None and not kw:
+            return child  # type: ignore[no-any-return]
+        return self._labels_slow(values, kw)
+
+    def _labels_slow(self, values: tuple[Any, ...], kw: dict[str, Any]) -> Self:
         if kw:
             return super().labels(*values, **kw)  # type: ignore[misc, no-any-return]
-        try:
-            cache = self._kv_children
-        except AttributeError:
-            cache = self._kv_children = {}
-        child = cache.get(values)
-        if child is None:
-            child = super().labels(*values)  # type: ignore[misc]
-            if len(cache) < MAX_CACHED_CHILDREN:
-                cache[values] = child
+        child = super().labels(*values)  # type: ignore[misc]
+        if len(self._kv_children) < MAX_CACHED_CHILDREN:
+            self._kv_children[values] = child
         return child  # type: ignore[no-any-return]
 
 
+class LoopValue:
+    """A metric's value written and read on the event loop's thread only: prometheus_client's
+    default value takes a lock on every write (a context manager entered and left, ~15 times
+    a request). kvproxy updates its metrics from the loop (its worker threads tokenize and
+    touch no metric) and serves /metrics from the same loop, so nothing ever contends for
+    it. The same interface as the library's `MutexValue`; used only when that is the
+    library's value class (not in its multiprocess mode, which kvproxy does not use)."""
+
+    __slots__ = ("_exemplar", "_value")
+
+    def __init__(self) -> None:
+        self._value = 0.0
+        self._exemplar: Any = None
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._exemplar = exemplar
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self) -> Any:
+        return self._exemplar
+
+
+_LOOP_VALUES = prometheus_values.ValueClass is prometheus_values.MutexValue
+
+
 class Counter(_CachedLabels, prometheus_client.Counter):
-    pass
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        if _LOOP_VALUES:
+            self._value = LoopValue()
+
+    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
+        # The library's inc, its checks inline (a child, a label-less metric; no negative
+        # amounts); an exemplar goes to the library's own.
+        if exemplar or not _LOOP_VALUES or amount < 0 or not self._observable():
+            super().inc(amount, exemplar)
+            return
+        self._value.inc(amount)
+
+    def _observable(self) -> bool:
+        return not self._labelnames or bool(self._labelvalues)
 
 
 class Gauge(_CachedLabels, prometheus_client.Gauge):
-    pass
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        if _LOOP_VALUES:
+            self._value = LoopValue()
 
 
 class Histogram(_CachedLabels, prometheus_client.Histogram):
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        if _LOOP_VALUES:
+            self._sum = LoopValue()
+            self._buckets = [LoopValue() for _ in self._buckets]
+
     def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
         """prometheus_client's observe, with the bucket found by bisection: its own walks
         the bounds in a Python loop (a handful of observations per request). The same
@@ -109,7 +170,8 @@ class Histogram(_CachedLabels, prometheus_client.Histogram):
         if exemplar is not None or amount != amount:
             super().observe(amount, exemplar)
             return
-        self._raise_if_not_observable()  # type: ignore[no-untyped-call]
+        if self._labelnames and not self._labelvalues:
+            self._raise_if_not_observable()  # type: ignore[no-untyped-call]
         self._sum.inc(amount)
         self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
 

@@ -53,7 +53,7 @@ def test_observe_lands_where_the_librarys_own_observe_does() -> None:
 
     def samples(h: prometheus_client.Histogram) -> list[tuple[str, dict[str, str], float]]:
         return [
-            (s.name, s.labels, s.value)
+            (s.name, sorted(s.labels.items()), s.value)
             for m in h.collect()
             for s in m.samples
             if not s.name.endswith("_created")
@@ -66,3 +66,45 @@ def test_observe_lands_where_the_librarys_own_observe_does() -> None:
     # A labelled parent without a child is refused, as by the library.
     with pytest.raises(ValueError):
         ours.observe(1.0)
+
+
+def test_values_are_lock_free_and_export_what_the_library_would() -> None:
+    """kvproxy's values take no lock (metrics.LoopValue: written on the loop only); the same
+    operations on prometheus_client's own classes export the same samples."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    built = []
+    for reg, mod in ((ours, metrics), (theirs, prometheus_client)):
+        c = mod.Counter("c", "h", ["a"], registry=reg)
+        h = mod.Histogram("h", "h", ["a"], buckets=(0.1, 1.0), registry=reg)
+        g = mod.Gauge("g", "h", registry=reg)
+        plain = mod.Counter("p", "h", registry=reg)
+        c.labels("x").inc()
+        c.labels("x").inc(2.5)
+        for v in (0.05, 0.1, 0.5, 7.0):
+            h.labels("y").observe(v)
+        g.inc(3)
+        g.dec(1)
+        g.set(g._value.get() + 4)
+        plain.inc()
+        built.append((c, h, g, plain))
+
+    def samples(reg: CollectorRegistry) -> list[tuple[str, list[tuple[str, str]], float]]:
+        return sorted(
+            (s.name, sorted(s.labels.items()), s.value)
+            for fam in reg.collect()
+            for s in fam.samples
+            if not s.name.endswith("_created")
+        )
+
+    assert samples(ours) == samples(theirs)
+    c, h, g, plain = built[0]
+    assert type(c.labels("x")._value) is metrics.LoopValue
+    assert type(g._value) is metrics.LoopValue
+    assert all(type(b) is metrics.LoopValue for b in h.labels("y")._buckets)
+    # The library's checks still hold on the fast paths.
+    with pytest.raises(ValueError, match="non-negative"):
+        c.labels("x").inc(-1)
+    with pytest.raises(ValueError, match="missing label values"):
+        c.inc()
+    with pytest.raises(ValueError, match="missing label values"):
+        h.observe(1.0)
