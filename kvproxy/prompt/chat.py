@@ -44,6 +44,9 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
             im, au = _content(content, f"messages[{i}].content", texts)
             images += im
             audios += au
+        if len(msg) <= 2 and _PLAIN_KEYS.issuperset(msg):
+            # Only role and content (the common case): no other field holds text.
+            continue
         for key in _MESSAGE_STRINGS:
             s = msg.get(key)
             if s is None:
@@ -56,8 +59,7 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
                 texts.append(s)
         if msg.get("tool_calls") is not None:
             _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls", texts)
-        if len(msg) > 2 or not _PLAIN_KEYS.issuperset(msg):
-            _other_fields(msg, f"messages[{i}]", texts)
+        _other_fields(msg, f"messages[{i}]", texts)
 
     tools = data.get("tools")
     if tools is None:

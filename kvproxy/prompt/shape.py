@@ -60,7 +60,7 @@ class SequencePrompt:
 
     @property
     def text_chars(self) -> int:
-        return sum(len(t) for t in self.texts) + len(self.tools_json)
+        return sum(map(len, self.texts)) + len(self.tools_json)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,10 @@ class PromptShape:
 
     @property
     def text_chars(self) -> int:
-        return sum(p.text_chars for p in self.prompts)
+        prompts = self.prompts
+        if len(prompts) == 1:
+            return prompts[0].text_chars
+        return sum(p.text_chars for p in prompts)
 
 
 # --- JSON and scalar fields ----------------------------------------------------------------

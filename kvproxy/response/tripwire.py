@@ -291,7 +291,8 @@ class CanaryScanner:
 def _holds_no_start(compiled: _Compiled, data: bytes) -> bool:
     """No JSON escape and no marker's first character in `data` (the raw-bytes prefilter)."""
     starts = compiled.starts_utf8
-    return starts is not None and b"\\" not in data and starts.search(data) is None
+    # find, not `in` (which first tries the needle as an integer: kvproxy.tokens.guarantee).
+    return starts is not None and data.find(b"\\") < 0 and starts.search(data) is None
 
 
 def _find(compiled: _Compiled, text: str) -> list[tuple[int, int, _Marker]]:

@@ -21,7 +21,8 @@ def prompt_tokens_of(obj: dict[str, Any]) -> int | None:
 def prompt_tokens_in(data: bytes) -> int | None:
     """`read_payload(data).prompt_tokens` without the walk: only a top-level `usage`
     counts, so a body that cannot hold that key (not even escaped) is not decoded."""
-    if b'"usage"' not in data and b"\\" not in data:
+    # find, not `in` (which first tries the needle as an integer: kvproxy.tokens.guarantee).
+    if data.find(b'"usage"') < 0 and data.find(b"\\") < 0:
         return None
     try:
         obj = orjson.loads(data)

@@ -396,3 +396,29 @@ def test_no_field_is_printed_more_often_than_proven(model: str) -> None:
             worst = max(worst, copies)
             assert copies <= proven, (model, root, raw, copies, proven)
     assert worst >= 1  # the marker reached the output somewhere
+
+
+def test_the_quick_exponent_scan_is_the_regex() -> None:
+    """The O(1) bound refuses a body with a number in exponent form (`[0-9][eE][-+0-9]`,
+    printed longer than sent); it finds one by folding bytes and two substring scans.
+    Every byte pair around an `e`/`E`, and random short strings, agree with the regex."""
+    import re
+
+    from kvproxy.tokens import guarantee as gmod
+
+    pattern = re.compile(rb"[0-9][eE][-+0-9]")
+
+    def fold_finds(data: bytes) -> bool:
+        folded = data.translate(gmod._EXPONENT_FOLD)
+        return any(folded.find(form) >= 0 for form in gmod._EXPONENT_FORMS)
+
+    for x in range(256):
+        for y in range(256):
+            for mid in (b"e", b"E"):
+                data = bytes([x]) + mid + bytes([y])
+                assert fold_finds(data) == (pattern.search(data) is not None), data
+    rnd = random.Random(7)
+    alphabet = b'0123456789eE+-x. "\\'
+    for _ in range(20_000):
+        data = bytes(rnd.choice(alphabet) for _ in range(rnd.randint(0, 10)))
+        assert fold_finds(data) == (pattern.search(data) is not None), data
