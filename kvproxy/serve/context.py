@@ -11,8 +11,11 @@ sanitised tenant or a label from a closed set.
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import is_not
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -139,9 +142,14 @@ class RequestContext:
 
     def access_fields(self) -> dict[str, Any]:
         """The access line: every logged field that has a value."""
-        return {name: value for name in _LOGGED if (value := getattr(self, name)) is not None}
+        # Read and filtered in C (attrgetter, compress): a Python loop over the two dozen
+        # fields was ~2 us a request.
+        values = _READ_LOGGED(self)
+        present = map(is_not, values, repeat(None))
+        return dict(compress(zip(_LOGGED, values, strict=True), present))
 
 
 _LOGGED: tuple[str, ...] = tuple(
     name for name in RequestContext.__dataclass_fields__ if name not in _NOT_LOGGED
 )
+_READ_LOGGED = operator.attrgetter(*_LOGGED)

@@ -32,12 +32,13 @@ refused request sends nothing upstream (I7). Nothing here logs request or respon
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Final, cast
+from typing import Final, Literal
 
 from aiohttp import web
 
@@ -163,10 +164,11 @@ async def _run(ctx: RequestContext, stages: Plan) -> web.StreamResponse | None:
 
 async def _stages(ctx: RequestContext, stages: Plan) -> Stop | None:
     for stage, waits in stages:
+        # No typing.cast here: it is a Python call, two dozen of them a request.
         if waits:
-            stop = await cast(AsyncStage, stage)(ctx)
+            stop: Stop | None = await stage(ctx)  # type: ignore[misc]  # _plan: waits => async
         else:
-            stop = cast(SyncStage, stage)(ctx)
+            stop = stage(ctx)  # type: ignore[assignment]  # _plan: not waits => SyncStage
         if stop is not None:
             return stop
     return None
@@ -372,10 +374,11 @@ async def admit(ctx: RequestContext) -> Stop | None:
     clusters = svc.clusters
     if len(clusters) == 1:
         limits = clusters[0].limits()
-        pre = admission.precheck(
-            limits, clusters[0].capacity.retry_after_s(), ctx.services.models.unknown_why(svc)
-        )
-        if pre is not None:
+        if not admission.limits_known(limits):
+            pre = admission.precheck(
+                limits, clusters[0].capacity.retry_after_s(), ctx.services.models.unknown_why(svc)
+            )
+            assert pre is not None
             return pre.error
     elif not any(c.limits().known for c in clusters):
         return errors.capacity_unknown(svc.retry_after_s(), ctx.services.models.unknown_why(svc))
@@ -559,7 +562,15 @@ def _scanner(ctx: RequestContext) -> CanaryScanner | None:
 
 def _policy(services: Services) -> admission.Policy:
     s = services.settings
-    return admission.Policy(s.decode_policy, s.default_output_tokens)
+    return _policy_of(s.decode_policy, s.default_output_tokens)
+
+
+@functools.lru_cache(maxsize=8)
+def _policy_of(
+    decode_policy: Literal["reject", "clamp"], default_output_tokens: int
+) -> admission.Policy:
+    # Settings are frozen: the same two values, the same (immutable) Policy, built once.
+    return admission.Policy(decode_policy, default_output_tokens)
 
 
 def _drift(ctx: RequestContext, engine_tokens: int) -> None:
