@@ -22,6 +22,7 @@ from kvproxy.policy.errors import (
     invalid_request,
 )
 from kvproxy.policy.origin import Origin, parse_origin
+from kvproxy.policy.records import record
 from kvproxy.policy.routes import CHAT_ROUTES, Route, RouteMatch, parse_passthrough, route_table
 from kvproxy.policy.routing import EJECTION_CAUSES, ROUTING_REASONS
 from kvproxy.policy.tenants import TenantResolver, sanitize_tenant
@@ -52,6 +53,7 @@ __all__ = [
     "invalid_request",
     "parse_origin",
     "parse_passthrough",
+    "record",
     "route_table",
     "routing",
     "sanitize_tenant",

@@ -27,12 +27,12 @@ the published limit (`admission_limit_tokens`), the number every surface shows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from kvproxy.policy import errors
 from kvproxy.policy.counts import CountMethod, TokenCount
 from kvproxy.policy.errors import KvproxyError
+from kvproxy.policy.records import record
 
 
 class LimitsView(Protocol):
@@ -71,14 +71,14 @@ class ShapeView(Protocol):
     def generates(self) -> bool: ...  # False: embeddings, rerank...: I1 applies, I4 not
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Policy:
     decode_policy: Literal["reject", "clamp"] = "reject"
     # Output assumed when the request names none: decode must hold at least one new token.
     default_output_tokens: int = 1
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Admit:
     count: TokenCount
     shape: ShapeView
@@ -100,7 +100,7 @@ class Admit:
         return self.count.total_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Reject:
     error: KvproxyError
 
@@ -121,7 +121,7 @@ def precheck(limits: LimitsView, retry_after_s: int, detail: str) -> Reject | No
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Room:
     """I4 for one request on one decode pool: which prompts fit, and how."""
 
@@ -296,7 +296,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class UsageCheck:
     """The engine's own prompt count (`usage.prompt_tokens`) against kvproxy's, after the
     fact. `drift`: engine minus kvproxy, when kvproxy's count was meant to be exact (a

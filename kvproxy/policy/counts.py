@@ -7,8 +7,9 @@ from `CountMethod`. Pure data: never tokenizes, never sees prompt text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
+
+from kvproxy.policy.records import record
 
 # How a count was made: the UTF-8 byte bound, a local tokenizer, or the engine's /tokenize.
 CountMethod = Literal["bound", "exact", "engine"]
@@ -17,7 +18,7 @@ CountMethod = Literal["bound", "exact", "engine"]
 CountKind = Literal["exact", "upper-bound", "lower-bound"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TokenCount:
     """`tokens` is the largest per-sequence count used for the decision (bound or exact);
     `total_tokens` is the sum over every sequence of the same counts: what the engine holds

@@ -44,9 +44,10 @@ lets drains run. The two modes differ in two rows only (`_FIRST_TOKEN_ROWS`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import Enum
 from typing import Literal, TypeAlias, get_args
+
+from kvproxy.policy.records import record
 
 DrainUntil = Literal["first_token", "completion"]
 Outcome = Literal["first_token", "completed", "upstream_error", "timeout", "shutdown"]
@@ -64,12 +65,12 @@ class DrainProtocolError(RuntimeError):
 # --- events in --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class UpstreamHeaders:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class UpstreamChunk:
     now: float
     # True when the chunk carries a generated token (`sse.StreamTexts(...).has_token`);
@@ -77,34 +78,34 @@ class UpstreamChunk:
     has_token: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class UpstreamEOF:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class UpstreamError:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ClientGone:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class UpstreamSilent:
     """No byte from the upstream for the read timeout (the connection is still open)."""
 
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Deadline:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Shutdown:
     now: float
 
@@ -124,22 +125,22 @@ Event: TypeAlias = (
 # --- decisions out ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Forward:
     """Relay the headers / chunk to the client."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Discard:
     """Drop the chunk (its client has gone) and keep reading the upstream."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class KeepReading:
     """Nothing to send; keep the upstream open and keep reading it."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CloseUpstream:
     """Close the upstream now. `outcome` is set when this ends a deferred cancellation
     (count it), None when the client is still there (finish or fail its response)."""
@@ -147,13 +148,13 @@ class CloseUpstream:
     outcome: Outcome | None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Hold:
     """The upstream went silent before a safe point: answer the client with the timeout
     error now, and keep the upstream open and read as a deferred cancellation."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class NoOp:
     """The event changes nothing (the upstream is already closed)."""
 

@@ -32,8 +32,10 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Literal
+
+from kvproxy.policy.records import record
 
 RouteKind = Literal["counted", "passthrough", "refused"]
 
@@ -121,7 +123,7 @@ MEMO_ENTRIES = 1024
 MEMO_PATH_CHARS = 256
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RouteMatch:
     kind: RouteKind
     # The counted route, for counted requests.
@@ -132,7 +134,7 @@ class RouteMatch:
     why: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RouteTable:
     """The operator's pass-through routes on top of the built-in table.
 

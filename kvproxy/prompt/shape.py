@@ -10,12 +10,12 @@ Errors name fields and types only, never the request's text (I8).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 import orjson
 
-from kvproxy.policy import Route, invalid_request
+from kvproxy.policy import Route, invalid_request, record
 
 # Requests asking for more than 2**31 - 1 output tokens or 128 choices are malformed, not big:
 # OpenAI caps n at 128 and engines store max_tokens as int32.
@@ -28,7 +28,7 @@ IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image", "video_url", 
 AUDIO_PART_TYPES = frozenset({"input_audio", "audio_url", "audio"})
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SequencePrompt:
     """One sequence the engine will prefill.
 
@@ -63,7 +63,7 @@ class SequencePrompt:
         return sum(map(len, self.texts)) + len(self.tools_json)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PromptShape:
     route: Route
     prompts: tuple[SequencePrompt, ...]

@@ -12,8 +12,9 @@ larger than `max_event_bytes` is an error, not unbounded memory).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
+
+from kvproxy.policy import record
 
 # One event is one token's worth of JSON in practice (< 4 KiB); a non-streamed-style body
 # sent as a single event can be large (n choices x long outputs). 16 MiB bounds memory while
@@ -36,7 +37,7 @@ class Framed(NamedTuple):  # a tuple: built once per chunk on the hot path
     forward: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SSEEvent:
     """One complete event: its `data` (lines joined by \\n; None when it had no data line,
     e.g. a keep-alive comment) and `raw`, the event's bytes with line endings normalised to

@@ -54,10 +54,9 @@ import importlib
 import operator
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvproxy.policy import ConfigError, sanitize_tenant
+from kvproxy.policy import ConfigError, record, sanitize_tenant
 from kvproxy.response.payload import SEP, read_body
 
 if TYPE_CHECKING:
@@ -91,7 +90,7 @@ _EDGE_OPS: tuple[Any, ...] = (_constants.AT, _constants.ASSERT, _constants.ASSER
 CanaryAction = Literal["block", "observe"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CanaryHit:
     """A foreign marker was seen: whose it is and which one. Never the text."""
 
@@ -99,7 +98,7 @@ class CanaryHit:
     marker_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Marker:
     owner: str
     marker_id: str
@@ -109,13 +108,13 @@ class _Marker:
     literal: bool  # the whole marker is `prefix`
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Anchored:
     marker: _Marker
     regex: re.Pattern[str] | None  # None for literal markers: `startswith` suffices
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Compiled:
     keys: re.Pattern[str] | None  # finds the KEY_CHARS-long key of an anchored marker
     by_key: dict[str, tuple[_Anchored, ...]]

@@ -30,12 +30,11 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.policy import KvproxyError, errors
+from kvproxy.policy import KvproxyError, errors, record
 
 # Content codings kvproxy decodes, by their token (RFC 9110 §8.4.1: case-insensitive;
 # `x-gzip` is gzip's registered alias). Values are zlib `wbits`: 31 = gzip container only.
@@ -60,7 +59,7 @@ ENCODED_BODY_HEADERS = (
 INLINE_INFLATE_BYTES = 1024
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Body:
     """A request body as read. `wire_bytes` is what came off the socket."""
 

@@ -44,10 +44,9 @@ import functools
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvproxy.policy import CHAT_ROUTES, CountMethod, KvproxyError, TokenCount, errors
+from kvproxy.policy import CHAT_ROUTES, CountMethod, KvproxyError, TokenCount, errors, record
 from kvproxy.prompt import MODELED_KEYS, RERANK_OVERHEAD_TOKENS, PromptShape, SequencePrompt
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
@@ -75,7 +74,7 @@ UNKNOWN_SPECIAL_TOKENS = 8
 WORKER_NICE = 10
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Plan:
     seq: SequencePrompt
     chat: bool
@@ -96,7 +95,7 @@ class _Plan:
     framed: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Judged:
     """What the guarantee says of one request (TokenCounter._judged)."""
 

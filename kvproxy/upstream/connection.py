@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvproxy.policy import Origin
+from kvproxy.policy import Origin, record
 from kvproxy.response import UpstreamProtocolError as UpstreamProtocolError
 from kvproxy.response import check_interim, check_status, final_fields
 
@@ -167,7 +166,7 @@ class UpstreamResponse:
         self._wake()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ConnectionLimits:
     """What a connection may take from its upstream, and how long it waits (its pool's)."""
 
