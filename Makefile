@@ -64,6 +64,7 @@ sysdeps:
 	command -v nginx >/dev/null || missing="$$missing nginx-light"; \
 	command -v curl >/dev/null || missing="$$missing curl"; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v valgrind >/dev/null || missing="$$missing valgrind"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing:$$missing"; \

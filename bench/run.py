@@ -31,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import instructions
 import long_concurrent
 import nginx
 import procstat
@@ -78,8 +79,8 @@ POLICY_STEPS: tuple[tuple[str, str | None, tuple[tuple[str, str], ...], str], ..
 )
 
 # Phases in run order (`--only` picks some). "concurrent": long prompts at concurrency.
-PHASES = ("comparison", "policy", "profile", "budget", "long", "concurrent", "decision",
-          "mixed", "memory")  # fmt: skip
+PHASES = ("comparison", "policy", "profile", "instructions", "budget", "long", "concurrent",
+          "decision", "mixed", "memory")  # fmt: skip
 # Small requests per second in the mixed phase when the comparison did not run this time.
 MIXED_DEFAULT_RPS = 1200.0
 
@@ -256,6 +257,22 @@ class Bench:
         return profile_phases.profile_phases(
             POLICY_STEPS, opts, chat, sse, seconds=seconds, sse_chunks=SSE_CHUNKS, log=self.log
         )
+
+    def instructions(self) -> dict[str, Any] | None:
+        """Instructions per small chat, kvproxy and bare, under callgrind (bench/instructions):
+        the comparison's ratio without this machine's CPU-time noise."""
+        why = instructions.available()
+        if why is not None:
+            self.notes.append(f"instructions per request not measured: {why}")
+            return None
+        self.log("instructions per small chat request (callgrind: direct, bare, kvproxy)")
+        try:
+            engine = self.kvproxy_opts("exact").engine_url
+            return instructions.measure(engine, f"hf:{TOKENIZER_DIR}")
+        except Exception as exc:
+            self.failed = True
+            self.notes.append(f"instructions: {type(exc).__name__}: {exc}"[:400])
+            return None
 
     def budget_cost(self, chat: Upstream) -> dict[str, Any] | None:
         """The in-flight budget on Redis against the local one: the same small chat, with a
@@ -507,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["policy_cost"] = bench.policy_cost(chat)
             if wanted("profile"):
                 results["profile"] = bench.profile(chat, sse)
+            if wanted("instructions"):
+                results["instructions"] = bench.instructions()
             if wanted("budget"):
                 results["budget_backend"] = bench.budget_cost(chat)
             if wanted("long"):

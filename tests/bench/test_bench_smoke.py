@@ -109,3 +109,22 @@ def test_the_run_reports_its_own_noise_on_the_headline_ratios() -> None:
     assert report.noise(results, "sse") is None
     assert "not measured" in report._noise(results, "sse")
     assert report.noise({}, "sse") is None
+
+
+def test_instruction_counts_are_judged_and_shown_as_a_ratio() -> None:
+    """The callgrind phase (bench/instructions.py): its ratio is a target row, and its
+    section shows both counts; a run without it shows neither."""
+    ins = {"requests": 640, "direct_per_req": 61_000, "bare_per_req": 600_000,
+           "kvproxy_per_req": 900_000, "ratio": 1.5}  # fmt: skip
+    verdicts = {v["goal"]: v for v in report.judge({"instructions": ins})}
+    row = verdicts["small chat: instructions per request, kvproxy / bare (callgrind)"]
+    assert row["verdict"] == "MISS"
+    assert row["value"] == 1.5
+    lines = report._instructions_section({"instructions": ins})
+    assert "| kvproxy | 900,000 |" in lines
+    assert "kvproxy / bare = 1.50×" in lines
+    assert report._instructions_section({}) == []
+    ok = {v["goal"]: v for v in report.judge({"instructions": {**ins, "ratio": 1.2}})}
+    assert (
+        ok["small chat: instructions per request, kvproxy / bare (callgrind)"]["verdict"] == "PASS"
+    )
