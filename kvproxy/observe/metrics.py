@@ -137,15 +137,18 @@ class Counter(_CachedLabels, prometheus_client.Counter):
             self._value = LoopValue()
 
     def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
-        # The library's inc, its checks inline (a child, a label-less metric; no negative
-        # amounts); an exemplar goes to the library's own.
-        if exemplar or not _LOOP_VALUES or amount < 0 or not self._observable():
+        # The library's inc whenever one of its checks could fail (a labelled parent, a
+        # negative amount) or an exemplar comes with it: it raises or records as it would.
+        # The same observability test as Histogram.observe below, inline.
+        if (
+            exemplar
+            or not _LOOP_VALUES
+            or amount < 0
+            or (self._labelnames and not self._labelvalues)
+        ):
             super().inc(amount, exemplar)
             return
         self._value.inc(amount)
-
-    def _observable(self) -> bool:
-        return not self._labelnames or bool(self._labelvalues)
 
 
 class Gauge(_CachedLabels, prometheus_client.Gauge):
