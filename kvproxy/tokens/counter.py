@@ -197,6 +197,55 @@ class TokenCounter:
         Raises `invalid_request` (the chat template refuses the messages) or
         `count_unavailable` (timeout, tokenizer or engine failure).
         """
+        admitted = self._admitted_quick(shape, admit_at_most, total_at_most)
+        if admitted is not None:
+            return admitted
+        return await self._count_any(shape, admit_at_most, total_at_most)
+
+    def _admitted_quick(
+        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
+    ) -> TokenCount | None:
+        """The common case in a few steps: a small chat-like request its O(1) guarantee
+        admits. Exactly what `_count_any` returns for it (its guarded, small branch:
+        `_judged`, then `_on_guarantee`), without the walk's and the features' set-up; None
+        whenever that branch would do anything else, and `_count_any` decides.
+        tests/tokens/test_tokens_counter.py holds the two to the same answers."""
+        g = self._guarantee
+        raw = shape.raw
+        if (
+            not self._trust_bound
+            or type(g) is not ChatGuarantee
+            or shape.route not in CHAT_ROUTES
+            or not raw
+            or len(raw) > QUICK_BYTES
+        ):
+            return None
+        total = longest = 0
+        for p in shape.prompts:
+            if p.message_count > INLINE_MESSAGES:
+                return None
+            chars = p.text_chars
+            total += chars
+            longest = max(longest, chars)
+        # Not small: the worker decides. Over the limit in characters: `_judged` skips the
+        # walk (the guarantee cannot admit it) and the exact count or the features decide.
+        if total > INLINE_CHARS or (self.method != "bound" and longest > admit_at_most):
+            return None
+        bound = g.quick(raw, shape.body, shape.route)
+        if (
+            bound is None
+            or bound > admit_at_most
+            or (total_at_most is not None and bound > total_at_most)
+        ):
+            return None
+        # TokenCount(tokens, method, exact, total_tokens, bound), positionally: this runs for
+        # most requests, and matching keywords costs more than the rest of building it.
+        return TokenCount(bound, "bound", False, bound, bound)
+
+    async def _count_any(
+        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
+    ) -> TokenCount:
+        """`count` for every shape (`_admitted_quick` is its shortcut)."""
         small = shape.text_chars <= INLINE_CHARS and all(
             p.message_count <= INLINE_MESSAGES for p in shape.prompts
         )

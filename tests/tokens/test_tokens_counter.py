@@ -293,3 +293,82 @@ async def test_a_batch_carries_its_total_next_to_the_largest_sequence() -> None:
     assert bound.total_tokens == len("hello world") + 2 + len("a b c d e f") + 2
     assert exact.method == "exact"
     assert (exact.tokens, exact.total_tokens) == (6 + 1, 2 + 1 + 6 + 1)
+
+
+# --- the quick admission is the general path's answer ------------------------------------
+
+
+def _raw(body: dict[str, object]) -> bytes:
+    return orjson.dumps(body)
+
+
+# (body, whether the shortcut may decide it): only a small chat the O(1) bound can price.
+_QUICK_BODIES: tuple[tuple[bytes, bool], ...] = (
+    (_raw({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}), True),
+    (
+        _raw(
+            {
+                "messages": [
+                    {"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": 'caf\u00e9 \\u00ff \u4f60\u597d "quoted"'},
+                ],
+                "stream": True,
+            }
+        ),
+        True,
+    ),
+    (b'{"messages":[{"role":"user","content":"x","name":"reasoning"}],"temperature":1E-5}', False),
+    (
+        _raw(
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}
+        ),
+        False,
+    ),
+    (
+        _raw(
+            {
+                "messages": [{"role": "user", "content": "call it"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "chat_template_kwargs": {"enable_thinking": False},
+            }
+        ),
+        True,
+    ),
+    (_raw({"messages": [{"role": "user", "content": "y" * 20_000}]}), False),
+    (_raw({"messages": [{"role": "user", "content": "z"}] * 70}), False),
+)
+
+
+@pytest.mark.parametrize("body", _QUICK_BODIES)
+@pytest.mark.parametrize("rule", ["bytes", "nfc", None])
+@pytest.mark.parametrize("exact", [True, False])
+async def test_quick_admission_answers_what_the_general_path_answers(
+    body: tuple[bytes, bool], rule: BoundRule | None, exact: bool
+) -> None:
+    """`count`'s shortcut for a small chat its O(1) guarantee admits returns exactly what
+    the general path (`_count_any`) returns, at every ceiling around the bound, and steps
+    aside (None) wherever the general path would do anything else."""
+    tok = FakeTokenizer(bound_rule=rule, template=ChatTemplate(SIMPLE_TEMPLATE))
+    c = counter_with(tok) if exact else TokenCounter(bound_rule=rule, template=tok.template)
+    raw, plain = body
+    shape = parse_request("chat", raw)
+    guarantee = c._guarantee
+    assert isinstance(guarantee, ChatGuarantee)
+    quick = guarantee.quick(shape.raw, shape.body, "chat")
+    ceilings = {0, 1, 10**9}
+    if quick is not None:
+        ceilings |= {quick - 1, quick, quick + 1}
+    shortcuts = 0
+    try:
+        for admit in sorted(ceilings):
+            for total in (None, admit, max(admit - 1, 0)):
+                short = c._admitted_quick(shape, admit, total)
+                general = await c._count_any(shape, admit, total)
+                if short is not None:
+                    shortcuts += 1
+                    assert short == general
+                assert await c.count(shape, admit, total) == general
+    finally:
+        await c.aclose()
+    # The plain bodies (no media, no exponent, small) do take the shortcut when trusted.
+    assert (shortcuts > 0) == (plain and rule is not None)
