@@ -77,16 +77,19 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
     if not isinstance(data.get("continue_final_message", False), bool):
         p = "continue_final_message"
         raise invalid_request(f"{p} must be a boolean", p)
+    # Positional, one field a line in declaration order: every chat builds one, and
+    # matching nine keywords cost twice as much as building it.
     return SequencePrompt(
-        texts=tuple(texts),
-        messages=tuple(messages),
-        tools=tuple(tools) if tools else None,
-        tools_json=_json_text(tools, "tools") if tools else "",
-        images=images,
-        audios=audios,
-        template_kwargs=dict(kwargs or {}),
-        template_kwargs_json=_json_text(kwargs, "chat_template_kwargs") if kwargs else "",
-        add_generation_prompt=agp,
+        tuple(texts),  # texts
+        0,  # token_ids
+        tuple(messages),  # messages
+        tuple(tools) if tools else None,  # tools
+        _json_text(tools, "tools") if tools else "",  # tools_json
+        images,  # images
+        audios,  # audios
+        dict(kwargs or {}),  # template_kwargs
+        _json_text(kwargs, "chat_template_kwargs") if kwargs else "",  # template_kwargs_json
+        agp,  # add_generation_prompt
     )
 
 

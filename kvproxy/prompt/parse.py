@@ -51,7 +51,7 @@ def parse_request(route: Route, body: bytes) -> PromptShape:
     if route == "chat":
         prompts, param = (_chat(data),), "messages"
         out = _max_of(_opt_int(data, "max_tokens"), _opt_int(data, "max_completion_tokens"))
-        n = _n(data)
+        n = 1 if data.get("n") is None else _n(data)
     elif route == "completions":
         prompts, param = _completions(data), "prompt"
         out = _max_of(_opt_int(data, "max_tokens"), _opt_int(data, "max_completion_tokens"))
@@ -62,16 +62,18 @@ def parse_request(route: Route, body: bytes) -> PromptShape:
     stream = data.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid_request("stream must be a boolean", "stream")
+    # Positional, one field a line in declaration order: every counted request builds one.
     return PromptShape(
-        route=route,
-        prompts=prompts,
-        max_output_tokens=out,
-        n=n,
-        stream=bool(stream),
-        body_bytes=len(body),
-        prompt_param=param,
-        body=data,
-        raw=body,
+        route,  # route
+        prompts,  # prompts
+        out,  # max_output_tokens
+        n,  # n
+        bool(stream),  # stream
+        len(body),  # body_bytes
+        param,  # prompt_param
+        True,  # generates
+        data,  # body
+        body,  # raw
     )
 
 
@@ -89,6 +91,8 @@ _UNCOUNTABLE = {
 
 
 def _refuse_uncountable(data: Mapping[str, Any]) -> None:
+    if _UNCOUNTABLE.keys().isdisjoint(data):
+        return  # one C-level check for the common body, which names none of them
     for key, message in _UNCOUNTABLE.items():
         if data.get(key) is not None:
             raise invalid_request(message, key)

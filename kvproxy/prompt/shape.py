@@ -132,9 +132,12 @@ def _opt_int(obj: Mapping[str, Any], key: str, prefix: str = "") -> int | None:
 
 
 def _max_of(*values: int | None) -> int | None:
-    present = [v for v in values if v is not None]
     # Engines disagree on which of two caps wins; the larger one is the one decode must hold.
-    return max(present) if present else None
+    best = None
+    for v in values:
+        if v is not None and (best is None or v > best):
+            best = v
+    return best
 
 
 def _n(data: Mapping[str, Any]) -> int:

@@ -108,7 +108,50 @@ def test_chat_collects_every_string_a_template_can_print() -> None:
     assert seq.tools is not None
     assert seq.tools_json.startswith('[{"type":"function"')
     assert seq.template_kwargs == {"enable_thinking": False}
+    assert seq.template_kwargs_json == '{"enable_thinking":false}'
+    assert (seq.token_ids, seq.add_generation_prompt) == (0, True)
     assert shape.body_bytes > 0
+    assert shape.generates
+    assert shape.raw[:1] == b"{"
+    assert shape.body["n"] == 2
+
+
+def test_chat_fields_land_where_they_are_named() -> None:
+    """The chat parser builds its records positionally (a hot path): each value must land
+    in its own field, told apart here by values no two fields share."""
+    body = {
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "u"}},
+                {"type": "image_url", "image_url": {"url": "v"}},
+                {"type": "input_audio", "input_audio": {"data": "a"}},
+            ]},
+        ],
+        "max_tokens": 7,
+        "n": 3,
+        "stream": False,
+        "add_generation_prompt": False,
+        "tools": [{"type": "function", "function": {"name": "t"}}],
+        "chat_template_kwargs": {"k": 1},
+    }  # fmt: skip
+    raw = orjson.dumps(body)
+    shape = parse_request("chat", raw)
+    (seq,) = shape.prompts
+    assert (seq.images, seq.audios, seq.token_ids) == (2, 1, 0)
+    assert (seq.tools_json, seq.template_kwargs_json) == (
+        '[{"type":"function","function":{"name":"t"}}]',
+        '{"k":1}',
+    )
+    assert seq.tools == tuple(body["tools"])  # type: ignore[arg-type]
+    assert seq.template_kwargs == {"k": 1}
+    assert seq.add_generation_prompt is False
+    assert seq.messages == tuple(body["messages"])  # type: ignore[arg-type]
+    assert (shape.route, shape.prompt_param, shape.max_output_tokens, shape.n) == (
+        "chat", "messages", 7, 3,
+    )  # fmt: skip
+    assert (shape.stream, shape.generates, shape.body_bytes) == (False, True, len(raw))
+    assert shape.body == body
+    assert shape.raw == raw
 
 
 def test_completions_shapes() -> None:
