@@ -57,7 +57,7 @@ FALLBACK_CONST = 64
 # Bytes between two markers the O(1) bound needs absent: media parts (their cost is
 # configured per item, so the walk counts them) and exponent numbers ("1e300" is five bytes
 # of body and up to 304 digits once an engine prints the integer it may stand for).
-_MEDIA_MARKERS = (b"image", b"video", b"audio")
+_MEDIA_MARKERS = ("image", "video", "audio")
 # A number with an exponent (printed longer than sent) is `[0-9][eE][-+0-9]`. With every
 # digit read as 0, E as e and + as -, it is exactly one of two substrings: a C translate and
 # two substring scans, several times fewer instructions than the regex's per-byte charset.
@@ -205,11 +205,14 @@ class ChatGuarantee:
         prices those) or the tokenizer has no byte bound."""
         if self.rule is None:
             return None
-        # bytes.find, not `in`: `sub in raw` first tries `sub` as an integer and formats the
-        # TypeError it then swallows (~2,000 instructions each, eight of them a request).
-        find = raw.find
+        # The ASCII markers are looked for in the text: `in` on a str is a plain substring
+        # scan, while on bytes it first tries the needle as an integer and formats the
+        # TypeError it swallows, and bytes.find parses its arguments (each ~2x a str `in`).
+        # UTF-8 never puts an ASCII byte inside a multi-byte character, and an undecodable
+        # byte becomes a lone surrogate: an ASCII needle is in the text iff it is in `raw`.
+        text = raw.decode("utf-8", "surrogateescape")
         for marker in _MEDIA_MARKERS:
-            if find(marker) >= 0:
+            if marker in text:
                 return None
         folded = raw.translate(_EXPONENT_FOLD)
         for form in _EXPONENT_FORMS:
@@ -221,7 +224,7 @@ class ChatGuarantee:
         values = raw.count(b",") + brackets + ms.QUICK_OBJECT_VALUES * objects
         data = ms.REPRINT_PER_BYTE * len(raw) + ms.QUICK_OBJECT_BYTES * objects
         byte = v.quick_byte
-        if find(b"reasoning") >= 0 or find(b"thinking") >= 0:
+        if "reasoning" in text or "thinking" in text:
             byte = v.quick_byte_alias
         bag = v.bag
         size = v.static + byte * data + bag.any_level * values
@@ -233,7 +236,7 @@ class ChatGuarantee:
             )
         if route == "responses":
             size = max(size, _fallback(data, values))
-        ascii_text = raw.isascii() and find(b"\\u") < 0
+        ascii_text = raw.isascii() and "\\u" not in text
         return self._tokens(size, ascii_text, 0)
 
     # --- the walk ---------------------------------------------------------------------------
