@@ -74,6 +74,9 @@ async def test_no_prompt_or_completion_text_in_any_log_line(
     assert len(access) == 3
     first = access[0]
     assert first["route"] == "chat"
+    assert (first["method"], first["path"]) == ("POST", "/v1/chat/completions")
+    assert len(first["request_id"]) == 32
+    assert first["duration_s"] > 0
     assert first["decision"] == "admitted"
     assert first["status"] == 200
     assert first["bytes_in"] > 0
