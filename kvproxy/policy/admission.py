@@ -159,13 +159,12 @@ def _decode_room(shape: ShapeView, limits: LimitsView, policy: Policy) -> _Room 
     if per_sample is None:
         per_sample = policy.default_output_tokens
     n = max(shape.n, 1)
+    # Positional, in the fields' order: keyword matching was half the cost of building
+    # one, twice a request.
     return _Room(
-        decode_limit=decode_limit,
-        needed_output=per_sample * n,
-        n=n,
-        prompt_only=limits.decode_prompt_limit_tokens,
-        clamp=policy.decode_policy == "clamp",
-    )
+        decode_limit, per_sample * n, n, limits.decode_prompt_limit_tokens,
+        policy.decode_policy == "clamp",
+    )  # fmt: skip
 
 
 def _input_limit(limits: LimitsView) -> int | None:

@@ -86,19 +86,21 @@ async def handle(request: web.Request) -> web.StreamResponse:
         request.method, request.rel_url.raw_path
     )
     route = match.route
+    # Positional, one field a line in declaration order: matching eleven keywords cost a
+    # third of building the context.
     ctx = RequestContext(
-        request=request,
-        services=services,
-        state=state,
-        match=match,
-        style=errors.error_style(route),
-        request_id=request.headers.get("X-Request-ID") or os.urandom(16).hex(),
-        method=request.method,
-        path=request.path if route is not None else "other",
-        route=match.label,
-        started=time.monotonic(),
-        tenant=services.tenants.resolve(request.headers),
+        request,  # request
+        services,  # services
+        state,  # state
+        match,  # match
+        errors.error_style(route),  # style
+        request.headers.get("X-Request-ID") or os.urandom(16).hex(),  # request_id
+        request.method,  # method
+        request.path if route is not None else "other",  # path
+        match.label,  # route
+        time.monotonic(),  # started
     )
+    ctx.tenant = services.tenants.resolve(request.headers)
     ctx.reply_headers["X-Request-ID"] = ctx.request_id
     state.enter()
     try:
