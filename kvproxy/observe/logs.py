@@ -68,18 +68,22 @@ def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> No
         logger.log(level, msg, extra={"fields": fields})
 
 
-def emit_access(logger: logging.Logger, fields: dict[str, Any]) -> None:
-    """Write one access line (kvproxy.serve.context's `access_fields`: sizes, durations,
-    ids and labels only)."""
+def emit_access(logger: logging.Logger, names: tuple[str, ...], values: tuple[Any, ...]) -> None:
+    """Write one access line: `names[i]` is `values[i]`, a None value is left out
+    (kvproxy.serve.context's `access_fields`: sizes, durations, ids and labels only)."""
     if not logger.isEnabledFor(logging.INFO):
         return
     direct = _only_json_handler(logger)
     if direct is not None:
         # The line JsonFormatter would write, without the LogRecord, the handler walk and
         # the formatter (they were ~8% of a small request's CPU). Only when that is all the
-        # logging configuration would do with the record.
+        # logging configuration would do with the record. The fields go straight into the
+        # line's dict: a filtered dict merged into it cost a third more instructions.
         out = {"ts": _millis(time.time()), "level": "info", "logger": logger.name,
-               "msg": "request", **fields}  # fmt: skip
+               "msg": "request"}  # fmt: skip
+        for name, value in zip(names, values, strict=True):
+            if value is not None:
+                out[name] = value
         line = orjson.dumps(out, default=str).decode() + direct.terminator
         with direct.lock:  # type: ignore[union-attr]  # a StreamHandler has one
             direct.stream.write(line)
@@ -88,6 +92,7 @@ def emit_access(logger: logging.Logger, fields: dict[str, Any]) -> None:
     # makeRecord + handle, not logger.info: info() walks the stack to find the caller's file
     # and line (findCaller), which a fixed access line never shows; 4.8 -> 3.2 us per record.
     # Handlers, filters and propagation are the same.
+    fields = {name: value for name, value in zip(names, values, strict=True) if value is not None}
     record = logger.makeRecord(
         logger.name, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields}
     )

@@ -14,8 +14,6 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import is_not
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -140,13 +138,11 @@ class RequestContext:
         if self.deferred_s is not None:
             self.deferred_s = _micros(self.deferred_s)
 
-    def access_fields(self) -> dict[str, Any]:
-        """The access line: every logged field that has a value."""
-        # Read and filtered in C (attrgetter, compress): a Python loop over the two dozen
-        # fields was ~2 us a request.
-        values = _READ_LOGGED(self)
-        present = map(is_not, values, repeat(None))
-        return dict(compress(zip(_LOGGED, values, strict=True), present))
+    def access_fields(self) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+        """The access line: the logged fields' names and values, in order (the line leaves
+        out the None ones: kvproxy.observe.emit_access)."""
+        # Read in C (attrgetter): a Python loop over the two dozen fields was ~2 us a request.
+        return _LOGGED, _READ_LOGGED(self)
 
 
 def _micros(seconds: float) -> float:

@@ -129,7 +129,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             ctx.route, ctx.decision, services.models.label(ctx.model)
         ).inc()
         if services.settings.access_log:
-            emit_access(access_log, ctx.access_fields())
+            emit_access(access_log, *ctx.access_fields())
         state.leave()
 
 

@@ -116,17 +116,22 @@ def test_the_direct_access_line_is_the_line_logging_would_write() -> None:
     log.setLevel(logging.INFO)
     log.addHandler(handler)
     fields = {"request_id": "r1", "method": "POST", "path": "/v1/x", "route": "chat",
-              "status": 200, "prompt_tokens": 12, "ttft_s": 0.25}  # fmt: skip
+              "status": 200, "reason": None, "prompt_tokens": 12, "ttft_s": 0.25,
+              "deferred_s": None}  # fmt: skip
+    names, values = tuple(fields), tuple(fields.values())
     try:
         assert _only_json_handler(log) is handler
-        emit_access(log, fields)  # direct
+        emit_access(log, names, values)  # direct
         log.addFilter(lambda r: True)  # any filter: the record must go through logging
         assert _only_json_handler(log) is None
-        emit_access(log, fields)
+        emit_access(log, names, values)
         direct, logged = (json.loads(line) for line in buf.getvalue().splitlines())
         direct.pop("ts")
         logged.pop("ts")
         assert direct == logged
+        # A None value is left out of the line, on both paths; the rest keep their order.
+        assert list(logged) == ["level", "logger", "msg", "request_id", "method", "path",
+                                "route", "status", "prompt_tokens", "ttft_s"]  # fmt: skip
         assert logged["request_id"] == "r1"
         assert logged["msg"] == "request"
         # A second handler anywhere on the way (a test's capture, an operator's file) also
