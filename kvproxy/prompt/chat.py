@@ -87,7 +87,7 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
         _json_text(tools, "tools") if tools else "",  # tools_json
         images,  # images
         audios,  # audios
-        dict(kwargs or {}),  # template_kwargs
+        dict(kwargs) if kwargs else {},  # template_kwargs
         _json_text(kwargs, "chat_template_kwargs") if kwargs else "",  # template_kwargs_json
         agp,  # add_generation_prompt
     )
@@ -107,6 +107,8 @@ REFUSED_TEMPLATE_KWARGS = frozenset(
 
 def _template_kwargs(data: Mapping[str, Any]) -> dict[str, Any] | None:
     """The variables the engines pass the template beyond messages/tools, or a 400."""
+    if _KWARGS_FIELDS.isdisjoint(data):
+        return None  # most bodies: one C call instead of three lookups and their tests
     kwargs = data.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise invalid_request("chat_template_kwargs must be an object", "chat_template_kwargs")
@@ -130,6 +132,8 @@ def _template_kwargs(data: Mapping[str, Any]) -> dict[str, Any] | None:
     return kwargs
 
 
+# The request fields `_template_kwargs` reads.
+_KWARGS_FIELDS = frozenset({"chat_template_kwargs", "documents", "reasoning_effort"})
 _MESSAGE_STRINGS = ("name", "reasoning_content", "reasoning", "tool_call_id", "refusal")
 # A message with only these keys has no other field to collect (the common case).
 _PLAIN_KEYS = frozenset({"role", "content"})
