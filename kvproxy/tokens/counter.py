@@ -206,30 +206,27 @@ class TokenCounter:
         self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
     ) -> TokenCount | None:
         """The common case in a few steps: a small chat-like request its O(1) guarantee
-        admits. Exactly what `_count_any` returns for it (its guarded, small branch:
-        `_judged`, then `_on_guarantee`), without the walk's and the features' set-up; None
-        whenever that branch would do anything else, and `_count_any` decides.
-        tests/tokens/test_tokens_counter.py holds the two to the same answers."""
+        admits. What `_count_any` returns for it (its guarded branch: `_judged`, then
+        `_on_guarantee`), without the walk's and the features' set-up; None whenever the
+        guarantee does not admit, and `_count_any` decides.
+        tests/tokens/test_tokens_counter.py holds the two to the same answers.
+
+        Sized by the body's bytes, not the shape's characters (summing those was a sixth of
+        this): a string has no more characters than its JSON bytes, so a body of at most
+        INLINE_CHARS bytes is a small shape, and `_count_any` would decide it inline the
+        same way. Were a shape ever longer in characters, only where the same C-speed scans
+        run would differ. `_judged`'s skip (strings longer than the limit) never applies to
+        a bound that admits: the bound charges at least a token per byte."""
         g = self._guarantee
         raw = shape.raw
+        size = len(raw)
         if (
             not self._trust_bound
             or type(g) is not ChatGuarantee
             or shape.route not in CHAT_ROUTES
-            or not raw
-            or len(raw) > QUICK_BYTES
+            or not size
+            or size > INLINE_CHARS
         ):
-            return None
-        total = longest = 0
-        for p in shape.prompts:
-            if p.message_count > INLINE_MESSAGES:
-                return None
-            chars = p.text_chars
-            total += chars
-            longest = max(longest, chars)
-        # Not small: the worker decides. Over the limit in characters: `_judged` skips the
-        # walk (the guarantee cannot admit it) and the exact count or the features decide.
-        if total > INLINE_CHARS or (self.method != "bound" and longest > admit_at_most):
             return None
         bound = g.quick(raw, shape.body, shape.route)
         if (
