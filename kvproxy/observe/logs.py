@@ -84,7 +84,11 @@ def emit_access(logger: logging.Logger, names: tuple[str, ...], values: tuple[An
         for name, value in zip(names, values, strict=True):
             if value is not None:
                 out[name] = value
-        line = orjson.dumps(out, default=str).decode() + direct.terminator
+        terminator = direct.terminator
+        if terminator == "\n":
+            line = orjson.dumps(out, default=str, option=orjson.OPT_APPEND_NEWLINE).decode()
+        else:
+            line = orjson.dumps(out, default=str).decode() + terminator
         with direct.lock:  # type: ignore[union-attr]  # a StreamHandler has one
             direct.stream.write(line)
             direct.stream.flush()

@@ -22,11 +22,19 @@ import re
 from collections.abc import Mapping
 from typing import Protocol
 
+from multidict import CIMultiDict, CIMultiDictProxy
+
 MAX_TENANT_LEN = 64
 UNKNOWN_TENANT = "unknown"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 # Room for "-" + 8 hex characters when an id had to be changed to be safe.
 _SUFFIX_LEN = 9
+# Anonymous ids remembered (`TenantResolver._anonymous`): an HMAC-SHA256 in Python is ~30k
+# instructions, more than the rest of a small request's tenant, routing and counting
+# together; clients reuse their keys. Past this many the memo starts over.
+ANONYMOUS_MEMO = 4096
+# Mappings whose get() already ignores case (aiohttp's request headers).
+_CASE_INSENSITIVE = (CIMultiDict, CIMultiDictProxy)
 
 
 def sanitize_tenant(raw: str) -> str | None:
@@ -51,7 +59,7 @@ def tenant_label(tenant: str | None) -> str:
 def _header(headers: Mapping[str, str], name: str) -> str | None:
     # aiohttp's headers are case-insensitive; plain dicts (tests, other callers) are not.
     value = headers.get(name)
-    if value is None:
+    if value is None and not isinstance(headers, _CASE_INSENSITIVE):
         lname = name.lower()
         value = headers.get(lname)
         if value is None:
@@ -87,6 +95,10 @@ class TenantResolver:
             if safe is not None and token:
                 self._tokens[token] = safe
         self._strip = frozenset() if self.trust_header else frozenset({self.header.lower()})
+        # hash(token) -> its anonymous id. Keyed by the process's own salted string hash,
+        # so the token itself is never kept; two tokens whose 64-bit hashes met would share
+        # an id, a far rarer event than two tokens meeting in the id's own 32 bits.
+        self._anonymous: dict[int, str] = {}
 
     def resolve(self, headers: Mapping[str, str]) -> str | None:
         if self.trust_header:
@@ -101,7 +113,15 @@ class TenantResolver:
         mapped = self._tokens.get(token)
         if mapped is not None:
             return mapped
-        return "anon-" + hmac.new(self._salt, token.encode("utf-8"), hashlib.sha256).hexdigest()[:8]
+        key = hash(token)
+        anonymous = self._anonymous.get(key)
+        if anonymous is None:
+            digest = hmac.new(self._salt, token.encode("utf-8"), hashlib.sha256).hexdigest()
+            anonymous = "anon-" + digest[:8]
+            if len(self._anonymous) >= ANONYMOUS_MEMO:
+                self._anonymous.clear()
+            self._anonymous[key] = anonymous
+        return anonymous
 
     def headers_to_strip(self) -> frozenset[str]:
         """Lower-case names of request headers not to forward upstream."""

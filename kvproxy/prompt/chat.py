@@ -44,8 +44,10 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
             im, au = _content(content, f"messages[{i}].content", texts)
             images += im
             audios += au
-        if len(msg) <= 2 and _PLAIN_KEYS.issuperset(msg):
-            # Only role and content (the common case): no other field holds text.
+        keys = len(msg)
+        if keys == 1 or (keys == 2 and "content" in msg):
+            # Only role (read above, so present) and content, the common case: no other
+            # field holds text.
             continue
         for key in _MESSAGE_STRINGS:
             s = msg.get(key)
@@ -135,8 +137,6 @@ def _template_kwargs(data: Mapping[str, Any]) -> dict[str, Any] | None:
 # The request fields `_template_kwargs` reads.
 _KWARGS_FIELDS = frozenset({"chat_template_kwargs", "documents", "reasoning_effort"})
 _MESSAGE_STRINGS = ("name", "reasoning_content", "reasoning", "tool_call_id", "refusal")
-# A message with only these keys has no other field to collect (the common case).
-_PLAIN_KEYS = frozenset({"role", "content"})
 _MESSAGE_FIELDS = frozenset(
     {"role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "refusal",
      "tool_calls"}

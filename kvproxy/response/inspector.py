@@ -21,7 +21,7 @@ Must never: log, touch a socket, or keep more than one body (or one incomplete e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvproxy.policy import KvproxyError, errors
 from kvproxy.response.guard import StreamGuard
@@ -44,7 +44,8 @@ class Step:
 
     forward: bytes
     output: bool = False
-    hits: list[CanaryHit] = field(default_factory=list)
+    # A tuple: the common step has none, and a shared empty tuple costs no list per chunk.
+    hits: tuple[CanaryHit, ...] = ()
     withhold: bool = False
     refuse: KvproxyError | None = None
 
@@ -138,6 +139,6 @@ class ResponseInspector:
 
     def _with_hits(self, step: Step, hits: list[CanaryHit]) -> Step:
         if hits:
-            step.hits = list(hits)
+            step.hits = tuple(hits)
             step.withhold = self.block
         return step

@@ -243,7 +243,7 @@ class Exchange:
                 continue
             up: UpstreamResponse = got
             self.upstream = up
-            self.machine.handle(drain.UpstreamHeaders(now=time.monotonic()))
+            self.machine.handle(drain.UpstreamHeaders(time.monotonic()))
             return up
 
     async def _fail_midway(self, err: KvproxyError) -> web.StreamResponse | None:
@@ -332,7 +332,7 @@ class Exchange:
                 tail = is_sse and end.forward and not self.machine.client_gone
                 if tail and not await self._write(up, end.forward):
                     return None
-                self.machine.handle(drain.UpstreamEOF(now=now))
+                self.machine.handle(drain.UpstreamEOF(now))
                 return await self._finish(up, end)
             got_first = True
             try:
@@ -348,7 +348,7 @@ class Exchange:
             # A token already reached a present client: every chunk is forwarded and changes
             # nothing (the table says so), so the hot path skips building and dispatching it.
             if not m.chunks_change_nothing:
-                decision = m.handle(drain.UpstreamChunk(now=now, has_token=step.output))
+                decision = m.handle(drain.UpstreamChunk(now, step.output))
                 if isinstance(decision, drain.CloseUpstream):
                     return None
                 if isinstance(decision, drain.Discard):
@@ -469,7 +469,7 @@ class Exchange:
         # The marker arrived in a generated token: decode holds its KV, the transfer is
         # over, so closing the upstream now is a safe point (I5).
         if not self.machine.upstream_closed:
-            self.machine.handle(drain.UpstreamEOF(now=time.monotonic()))
+            self.machine.handle(drain.UpstreamEOF(time.monotonic()))
         err = err or errors.canary_violation()
         self.record.upstream_outcome = err.code
         if self.machine.client_gone:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -104,3 +107,34 @@ def test_different_ids_do_not_collide(a: str, b: str) -> None:
 def test_lookalikes_stay_apart() -> None:
     assert sanitize_tenant("a b") != sanitize_tenant("a_b")
     assert sanitize_tenant("x" * 65) != sanitize_tenant("x" * 66)
+
+
+def test_anonymous_ids_are_remembered_by_hash_never_by_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The HMAC is computed once per token; the memo keeps the process's string hash of the
+    token, never the token (I8), and stays bounded."""
+    from kvproxy.policy import tenants
+
+    r = resolver(tenant_hash_salt="pepper")
+    first = r.resolve({"Authorization": f"Bearer {SECRET}"})
+    expected = "anon-" + hmac.new(b"pepper", SECRET.encode(), hashlib.sha256).hexdigest()[:8]
+    assert first == expected
+    calls: list[object] = []
+    original = tenants.hmac.new
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(args)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tenants.hmac, "new", counting)
+    assert r.resolve({"Authorization": f"Bearer {SECRET}"}) == first
+    assert calls == []  # remembered
+    assert all(type(k) is int for k in r._anonymous)
+    assert SECRET not in repr(r._anonymous)
+    monkeypatch.setattr(tenants, "ANONYMOUS_MEMO", 4)
+    ids = {r.resolve({"Authorization": f"Bearer sk-{i}"}) for i in range(10)}
+    assert len(ids) == 10
+    assert len(r._anonymous) <= 4
+    # A different token still gets its own id, through the HMAC.
+    assert r.resolve({"Authorization": "Bearer sk-other"}) != first
