@@ -85,7 +85,16 @@ def text_bound(s: str, rule: BoundRule) -> int:
     return total
 
 
+# Texts up to this many characters in all are tested for ASCII joined (a copy this small is
+# cheaper than a call per text); longer ones one at a time, without a copy.
+JOIN_CHARS = 65_536
+
+
 def texts_bound(texts: Iterable[str], rule: BoundRule) -> int:
+    texts = tuple(texts)
+    chars = sum(map(len, texts))
+    if chars <= JOIN_CHARS and "".join(texts).isascii():
+        return chars  # what text_bound gives each of them, summed, in two C calls
     return sum(text_bound(t, rule) for t in texts)
 
 

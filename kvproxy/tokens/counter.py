@@ -243,9 +243,7 @@ class TokenCounter:
         self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
     ) -> TokenCount:
         """`count` for every shape (`_admitted_quick` is its shortcut)."""
-        small = shape.text_chars <= INLINE_CHARS and all(
-            p.message_count <= INLINE_MESSAGES for p in shape.prompts
-        )
+        small = _small(shape)
         try:
             guarded = self._guarded(shape)
             if guarded and small:
@@ -400,11 +398,15 @@ class TokenCounter:
         self, plans: list[_Plan], admit_at_most: int, total_at_most: int | None
     ) -> TokenCount | None:
         """The decision on the bounds alone, or None: an exact count is needed."""
-        bound = max(p.bound for p in plans)
-        total = sum(p.bound for p in plans)
+        if len(plans) == 1:  # the common case, without two generators
+            bound = total = plans[0].bound
+        else:
+            bound = max(p.bound for p in plans)
+            total = sum(p.bound for p in plans)
         fits = bound <= admit_at_most and (total_at_most is None or total <= total_at_most)
         if (self._trust_bound and fits) or self.method == "bound":
-            return TokenCount(bound, "bound", exact=False, total_tokens=total, bound=bound)
+            # TokenCount(tokens, method, exact, total_tokens, bound)
+            return TokenCount(bound, "bound", False, total, bound)
         return None
 
     def _count_method(self, shape: PromptShape) -> Method:
@@ -680,6 +682,17 @@ def unmodeled_keys(shape: PromptShape) -> list[str]:
     return [k for k in shape.body if k not in known and k not in INERT_KEYS]
 
 
+def _small(shape: PromptShape) -> bool:
+    """Planned on the loop: few characters and few messages (INLINE_CHARS, INLINE_MESSAGES)."""
+    prompts = shape.prompts
+    if len(prompts) == 1:  # the common case, without a generator
+        p = prompts[0]
+        return p.text_chars <= INLINE_CHARS and p.message_count <= INLINE_MESSAGES
+    return shape.text_chars <= INLINE_CHARS and all(
+        p.message_count <= INLINE_MESSAGES for p in prompts
+    )
+
+
 def _unseen_bytes(seq: SequencePrompt) -> int:
     """Template-free bound: what the raw strings in `seq.texts` do not cover.
 
@@ -689,7 +702,7 @@ def _unseen_bytes(seq: SequencePrompt) -> int:
     separators, ASCII escapes or Python's repr of the parsed value), which can be longer
     than the string the client sent (counted once in `texts`)."""
     extra = 0
-    for key in SPECIAL_TOKEN_KEYS:
+    for key in SPECIAL_TOKEN_KEYS if seq.template_kwargs else ():
         if key in seq.template_kwargs:
             value = bounds.utf8_len(str(seq.template_kwargs[key]))
             extra += 3 * value * (seq.message_count + 1)
