@@ -13,7 +13,8 @@ completion, and the target (kvproxy from `kvproxy.serve` with the comparison's f
 or `bare_forwarder`'s app) in-process. It runs under `valgrind --tool=callgrind` with
 instrumentation off until the warm-up is done, then on for exactly N requests
 (`callgrind_control -i on/off` from the process itself). "direct" (client to upstream) is
-subtracted from each: what is left is the target's own instructions per request.
+subtracted from each: what is left is the target's own instructions per request. kvproxy
+is measured twice: with the comparison's full policy, and with default settings.
 
 Run alone: `python bench/instructions.py --engine URL --tokenizer hf:DIR` (the engine: a
 simulated prefill's URL; bench/run.py starts one).
@@ -36,7 +37,12 @@ BENCH = Path(__file__).resolve().parent
 REQUESTS = 640
 WARMUP = 320
 CONNECTIONS = 32
-TARGETS = ("direct", "bare", "kvproxy")
+# kvproxy: the comparison's full policy (the Qwen-3 tokenizer and template, a trusted tenant
+# header, canaries). kvproxy-defaults: only what a deployment must set (upstream, engines):
+# the tokenizer is `auto` (the engine's /tokenize, no template), the tenant comes from the
+# bearer token, no canaries. The two take different paths through counting and tenancy.
+TARGETS = ("direct", "bare", "kvproxy", "kvproxy-defaults")
+KVPROXY_TARGETS = ("kvproxy", "kvproxy-defaults")
 
 
 # --- the measured process (runs under valgrind) --------------------------------------------
@@ -109,7 +115,7 @@ def _child(target: str, engine: str, tokenizer: str, requests: int) -> None:
         up_port = up.sockets[0].getsockname()[1]
         stop: Any = None
         port = up_port
-        if target == "kvproxy":
+        if target in KVPROXY_TARGETS:
             import targets
 
             os.environ.update(
@@ -120,12 +126,17 @@ def _child(target: str, engine: str, tokenizer: str, requests: int) -> None:
                     "KVPROXY_ENGINES": json.dumps(
                         [{"url": engine, "role": "prefill", "kind": "sglang"}]
                     ),
-                    "KVPROXY_TOKENIZER": tokenizer,
-                    "KVPROXY_TRUST_TENANT_HEADER": "true",
-                    "KVPROXY_ACCESS_LOG": "true",
-                    "KVPROXY_CANARIES": json.dumps(targets.CANARIES),
                 }
             )
+            if target == "kvproxy":
+                os.environ.update(
+                    {
+                        "KVPROXY_TOKENIZER": tokenizer,
+                        "KVPROXY_TRUST_TENANT_HEADER": "true",
+                        "KVPROXY_ACCESS_LOG": "true",
+                        "KVPROXY_CANARIES": json.dumps(targets.CANARIES),
+                    }
+                )
             from kvproxy.config import Settings
             from kvproxy.observe import setup_logging
             from kvproxy.serve import KvproxyServer
@@ -194,13 +205,16 @@ def available() -> str | None:
 def measure(engine: str, tokenizer: str, requests: int = REQUESTS) -> dict[str, Any]:
     """Instructions per request of each target, less the direct path's; and the ratio."""
     total = {t: _collected(t, engine, tokenizer, requests) for t in TARGETS}
-    per = {t: (total[t] - total["direct"]) / requests for t in ("bare", "kvproxy")}
+    per = {t: (total[t] - total["direct"]) / requests for t in TARGETS[1:]}
+    bare = per["bare"]
     return {
         "requests": requests,
         "direct_per_req": round(total["direct"] / requests),
-        "bare_per_req": round(per["bare"]),
+        "bare_per_req": round(bare),
         "kvproxy_per_req": round(per["kvproxy"]),
-        "ratio": per["kvproxy"] / per["bare"] if per["bare"] > 0 else None,
+        "ratio": per["kvproxy"] / bare if bare > 0 else None,
+        "defaults_per_req": round(per["kvproxy-defaults"]),
+        "ratio_defaults": per["kvproxy-defaults"] / bare if bare > 0 else None,
     }
 
 

@@ -115,7 +115,8 @@ def test_instruction_counts_are_judged_and_shown_as_a_ratio() -> None:
     """The callgrind phase (bench/instructions.py): its ratio is a target row, and its
     section shows both counts; a run without it shows neither."""
     ins = {"requests": 640, "direct_per_req": 61_000, "bare_per_req": 600_000,
-           "kvproxy_per_req": 900_000, "ratio": 1.5}  # fmt: skip
+           "kvproxy_per_req": 900_000, "ratio": 1.5, "defaults_per_req": 720_000,
+           "ratio_defaults": 1.2}  # fmt: skip
     verdicts = {v["goal"]: v for v in report.judge({"instructions": ins})}
     row = verdicts["small chat: instructions per request, kvproxy / bare (callgrind)"]
     assert row["verdict"] == "MISS"
@@ -123,6 +124,12 @@ def test_instruction_counts_are_judged_and_shown_as_a_ratio() -> None:
     lines = report._instructions_section({"instructions": ins})
     assert "| kvproxy | 900,000 |" in lines
     assert "kvproxy / bare = 1.50×" in lines
+    assert "| kvproxy, default settings | 720,000 |" in lines
+    assert "kvproxy with default settings / bare = 1.20×" in lines
+    defaults = verdicts[
+        "small chat: instructions per request, kvproxy with default settings / bare"
+    ]
+    assert (defaults["verdict"], defaults["value"]) == ("PASS", 1.2)
     assert report._instructions_section({}) == []
     ok = {v["goal"]: v for v in report.judge({"instructions": {**ins, "ratio": 1.2}})}
     assert (
