@@ -212,11 +212,12 @@ class TokenCounter:
         tests/tokens/test_tokens_counter.py holds the two to the same answers.
 
         Sized by the body's bytes, not the shape's characters (summing those was a sixth of
-        this): a string has no more characters than its JSON bytes, so a body of at most
-        INLINE_CHARS bytes is a small shape, and `_count_any` would decide it inline the
-        same way. Were a shape ever longer in characters, only where the same C-speed scans
-        run would differ. `_judged`'s skip (strings longer than the limit) never applies to
-        a bound that admits: the bound charges at least a token per byte."""
+        this): a string has no more characters than its JSON bytes. The answer does not
+        depend on the size: `_count_any` runs the same O(1) bound for a shape it calls
+        large (over INLINE_CHARS characters or INLINE_MESSAGES messages), only in a worker;
+        here it runs on the loop for bodies of at most INLINE_CHARS bytes, a few C scans
+        whatever their message count. `_judged`'s skip (strings longer than the limit)
+        never applies to a bound that admits: the bound charges at least a token per byte."""
         g = self._guarantee
         raw = shape.raw
         size = len(raw)

@@ -54,7 +54,7 @@ ROUTE_ROOTS: dict[str, dict[str, str]] = {
 # (lists as Python reprs) and a newline: at most the data's repr plus a label per value.
 FALLBACK_PER_VALUE = 38
 FALLBACK_CONST = 64
-# Bytes between two markers the O(1) bound needs absent: media parts (their cost is
+# Substrings the O(1) bound needs absent: media parts (their cost is
 # configured per item, so the walk counts them) and exponent numbers ("1e300" is five bytes
 # of body and up to 304 digits once an engine prints the integer it may stand for).
 _MEDIA_MARKERS = ("image", "video", "audio")
