@@ -2,7 +2,7 @@
 JSON-lines logging with the one access line per request (`logs`). Never prompt or
 completion text (I8)."""
 
-from kvproxy.observe.logs import ACCESS_LOGGER, emit_access, log_event, setup_logging
+from kvproxy.observe.logs import ACCESS_LOGGER, emit_access, log_event, rounded, setup_logging
 from kvproxy.observe.metrics import IMPLICIT_UPSTREAM, UNKNOWN_MODEL, Metrics
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "Metrics",
     "emit_access",
     "log_event",
+    "rounded",
     "setup_logging",
 ]

@@ -17,16 +17,17 @@ import orjson
 ACCESS_LOGGER = "kvproxy.access"
 
 
-def _millis(t: float) -> float:
-    """A timestamp to the millisecond (truncated). Not round(t, 3): rounding to a number of
-    digits goes through a decimal conversion, ~3 times the instructions, on every line."""
-    return int(t * 1000) / 1000
+def rounded(seconds: float, per_second: int) -> float:
+    """`seconds` to the nearest 1/`per_second` (1000: ms, 1_000_000: us), as log lines print
+    times. Not round(x, digits): rounding to a number of digits goes through a decimal
+    conversion, ~3 times the instructions, several times a request."""
+    return round(seconds * per_second) / per_second
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": _millis(record.created),
+            "ts": rounded(record.created, 1000),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -79,7 +80,7 @@ def emit_access(logger: logging.Logger, names: tuple[str, ...], values: tuple[An
         # the formatter (they were ~8% of a small request's CPU). Only when that is all the
         # logging configuration would do with the record. The fields go straight into the
         # line's dict: a filtered dict merged into it cost a third more instructions.
-        out = {"ts": _millis(time.time()), "level": "info", "logger": logger.name,
+        out = {"ts": rounded(time.time(), 1000), "level": "info", "logger": logger.name,
                "msg": "request"}  # fmt: skip
         for name, value in zip(names, values, strict=True):
             if value is not None:
