@@ -35,7 +35,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Final, Literal
@@ -48,7 +47,7 @@ from kvproxy.policy import KvproxyError, admission, clamp_output, errors, route_
 from kvproxy.prompt import parse_request
 from kvproxy.response import CanaryScanner
 from kvproxy.serve.body import content_coding, decode, forwarded_headers, read_arrived, read_raw
-from kvproxy.serve.context import RequestContext
+from kvproxy.serve.context import RequestContext, new_request_id
 from kvproxy.serve.headers import filter_headers, request_head_error, set_forwarded_for
 from kvproxy.serve.overload import BodyReservation
 from kvproxy.serve.relay import Exchange
@@ -94,7 +93,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         state,  # state
         match,  # match
         errors.error_style(route),  # style
-        request.headers.get("X-Request-ID") or os.urandom(16).hex(),  # request_id
+        request.headers.get("X-Request-ID") or new_request_id(),  # request_id
         request.method,  # method
         request.path if route is not None else "other",  # path
         match.label,  # route
@@ -129,7 +128,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             ctx.route, ctx.decision, services.models.label(ctx.model)
         ).inc()
         if services.settings.access_log:
-            emit_access(access_log, *ctx.access_fields())
+            emit_access(access_log, *ctx.access_fields(), state.loop)
         state.leave()
 
 

@@ -88,7 +88,9 @@ class Exchange:
         # Resolved by the upstream connection when the read timeout passes before a safe
         # point (the connection stays open: the drain machine decides, `Hold`); cancelled
         # once a safe point is reached, after which a timeout fails the read as usual.
-        self.silence: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # The loop from a future it owns: asyncio.get_running_loop() is a getpid() system
+        # call per use on Python 3.11.
+        self.silence: asyncio.Future[None] = self.gone.get_loop().create_future()
         self.upstream: UpstreamResponse | None = None
         self.client: web.StreamResponse | None = None
         self.inspector: ResponseInspector | None = None
@@ -145,7 +147,7 @@ class Exchange:
         )
 
     async def _race(self, fut: asyncio.Future[Any]) -> None:
-        loop = asyncio.get_running_loop()
+        loop = fut.get_loop()
         waiter: asyncio.Future[None] = loop.create_future()
 
         def wake(_: object = None) -> None:

@@ -59,6 +59,12 @@ class ServerState:
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop serving requests (the one `hard_stop` belongs to), without
+        asyncio.get_running_loop(): that is a getpid() system call per use on Python 3.11."""
+        return self.hard_stop.get_loop()
+
     def enter(self) -> int:
         """One more request in flight; returns how many now are."""
         self.inflight += 1

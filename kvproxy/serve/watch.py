@@ -30,9 +30,13 @@ class _Background:
 
     def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
+        # Kept while running: asyncio.get_running_loop() is a getpid() system call per use on
+        # Python 3.11, and the disconnect watcher is asked once per request.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name=self.name)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -40,6 +44,7 @@ class _Background:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._loop = None
 
     async def _run(self) -> None:
         raise NotImplementedError
@@ -56,7 +61,7 @@ class DisconnectWatcher(_Background):
 
     def watch(self, request: web.BaseRequest) -> asyncio.Future[None]:
         """A future resolved when the client's connection is gone."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = (self._loop or asyncio.get_running_loop()).create_future()
         if _gone(request):
             fut.set_result(None)
         else:

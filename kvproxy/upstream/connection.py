@@ -198,6 +198,9 @@ class Connection(asyncio.Protocol):
         self.limits = owner.limits
         self.origin = origin
         self.transport: asyncio.Transport | None = None
+        # The loop this connection lives on, known once connected: asyncio.get_running_loop
+        # is a getpid() system call per use on Python 3.11, and a request used it once here.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
         self.head: asyncio.Future[UpstreamResponse] | None = None
@@ -230,6 +233,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's quacks like one
+        self._loop = asyncio.get_running_loop()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -409,7 +413,8 @@ class Connection(asyncio.Protocol):
         assert self.response is None
         self._silence = silence
         self.response = UpstreamResponse(self)
-        self.head = head_future = asyncio.get_running_loop().create_future()
+        loop = self._loop or asyncio.get_running_loop()
+        self.head = head_future = loop.create_future()
         head_future.add_done_callback(self._head_settled)
         self._no_body = no_body
         self._interim = False

@@ -144,3 +144,73 @@ def test_the_direct_access_line_is_the_line_logging_would_write() -> None:
         log.handlers.clear()
         log.filters.clear()
         log.propagate = True
+
+
+async def test_access_lines_of_one_loop_iteration_are_written_together_and_in_order() -> None:
+    import asyncio
+
+    from kvproxy.observe.logs import PENDING_LINES, JsonStreamHandler, emit_access
+
+    class Counting(io.StringIO):
+        writes = 0
+
+        def write(self, s: str) -> int:
+            self.writes += 1
+            return super().write(s)
+
+    buf = Counting()
+    handler = JsonStreamHandler(buf)
+    handler.setFormatter(JsonFormatter())
+    log = logging.getLogger("kvproxy.access.batch-test")
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    loop = asyncio.get_running_loop()
+    names = ("request_id", "status")
+    try:
+        for i in range(3):
+            emit_access(log, names, (f"r{i}", 200), loop)
+        assert buf.getvalue() == ""  # held until the loop iteration ends
+        await asyncio.sleep(0)
+        assert [json.loads(x)["request_id"] for x in buf.getvalue().splitlines()] == [
+            "r0", "r1", "r2"
+        ]  # fmt: skip
+        assert buf.writes == 1
+        # Any other record writes the waiting lines first: the stream keeps the order.
+        emit_access(log, names, ("r3", 200), loop)
+        log.warning("after r3")
+        lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+        assert [x.get("request_id", x["msg"]) for x in lines[3:]] == ["r3", "after r3"]
+        # So does a flush (logging.shutdown flushes every handler at exit).
+        emit_access(log, names, ("r4", 200), loop)
+        handler.flush()
+        assert json.loads(buf.getvalue().splitlines()[-1])["request_id"] == "r4"
+        # Memory stays bounded: a full batch is written without waiting for the loop.
+        before = buf.writes
+        for i in range(PENDING_LINES + 2):
+            emit_access(log, names, (f"b{i}", 200), loop)
+        assert buf.writes == before + 1  # the first PENDING_LINES + 1, at once
+        await asyncio.sleep(0)
+        assert buf.writes == before + 2  # the last, at the end of the iteration
+        assert len(buf.getvalue().splitlines()) == 6 + PENDING_LINES + 2
+        # Without a loop the line is written at once.
+        emit_access(log, names, ("now", 200))
+        assert json.loads(buf.getvalue().splitlines()[-1])["request_id"] == "now"
+    finally:
+        log.handlers.clear()
+        log.propagate = True
+
+
+def test_a_failing_log_stream_never_raises_into_the_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvproxy.observe.logs import JsonStreamHandler
+
+    class Broken(io.StringIO):
+        def write(self, s: str) -> int:
+            raise BrokenPipeError("reader gone")
+
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+    handler = JsonStreamHandler(Broken())
+    handler.write_soon('{"msg":"request"}\n', None)  # must not raise
+    handler.flush()

@@ -8,6 +8,7 @@ import io
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 from kvtest import FakeUpstream, running_proxy, static_engines, wait_until
 from ports import free_port
@@ -375,3 +376,57 @@ async def test_clamp_is_decided_again_when_decode_shrank_while_queued(
     sent = orjson.loads(upstream.received[1]["body"])
     assert sent["max_tokens"] == clamped
     assert prompt + clamped <= 2_000
+
+
+async def test_a_request_costs_no_loop_lookup_and_no_randomness_system_call(
+    upstream: FakeUpstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Python 3.11 asyncio.get_running_loop() is a getpid() system call, and os.urandom
+    a getrandom(): a small chat made five of them (a tenth of its CPU went to entering the
+    kernel). kvproxy's own code, past a connection's first request, makes none."""
+    import os
+    import sys
+
+    calls = {"loop": 0, "urandom": 0}
+    real_loop, real_urandom = asyncio.get_running_loop, os.urandom
+
+    def counted_loop() -> asyncio.AbstractEventLoop:
+        if "/kvproxy/" in sys._getframe(1).f_code.co_filename:
+            calls["loop"] += 1
+        return real_loop()
+
+    def counted_urandom(n: int) -> bytes:
+        calls["urandom"] += 1
+        return real_urandom(n)
+
+    upstream.route("POST", CHAT, sse_handler(sse_chunks(3)))
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        url = proxy.public_url + CHAT
+        ids = set()
+        async with http.post(url, data=chat_body()) as resp:  # connects, both sides
+            assert resp.status == 200
+            await resp.read()
+        monkeypatch.setattr(asyncio, "get_running_loop", counted_loop)
+        monkeypatch.setattr(asyncio.events, "get_running_loop", counted_loop)
+        monkeypatch.setattr(os, "urandom", counted_urandom)
+        for stream in (True, False, True):
+            async with http.post(url, data=chat_body(stream=stream)) as resp:
+                assert resp.status == 200
+                await resp.read()
+                ids.add(resp.headers["X-Request-ID"])
+        monkeypatch.undo()
+    assert calls == {"loop": 0, "urandom": 0}
+    assert len(ids) == 3
+
+
+def test_request_ids_are_distinct_random_hex_across_batches_and_forks() -> None:
+    from kvproxy.serve.context import _ID_BATCH, new_request_id
+
+    ids = [new_request_id() for _ in range(3 * _ID_BATCH + 5)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    # A forked child drops the parent's batch: what it issues next comes from the OS again,
+    # never the ids the parent has still to issue.
+    new_request_id.reset()
+    assert new_request_id() not in ids
