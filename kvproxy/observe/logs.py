@@ -50,9 +50,9 @@ class JsonStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The JSON-lines handler `setup_logging` installs; the access log may write to it
     directly (`emit_access`), a loop iteration's lines in one write.
 
-    Why batched: one write() per request was a tenth of a small chat's CPU here (the system
-    call, and what entering the kernel costs the code that runs after it); nginx buffers
-    its access log for the same reason. A line waits at most until the end of the loop
+    Why batched: a write() per request is a system call per request and, where stderr is a
+    pipe to a log collector, a wake-up of that reader per line; nginx buffers its access
+    log for the same reason. A line waits at most until the end of the loop
     iteration that wrote it, and every other record, a flush and a close write the waiting
     lines first, so the stream keeps the order lines were made in."""
 

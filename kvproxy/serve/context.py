@@ -49,9 +49,9 @@ _ID_BATCH = 256  # ids drawn from the OS at once
 class _RequestIds:
     """128-bit random request ids (32 hex digits), drawn from the OS a batch at a time.
 
-    Why a batch: os.urandom is a getrandom() system call per use, and a small chat's
-    system calls are a tenth of kvproxy's CPU per request here; the bytes are the same
-    kernel randomness. A forked child starts a batch of its own (no id is issued twice)."""
+    Why a batch: os.urandom is a getrandom() system call per use; drawn 256 ids at a time
+    it is one per 256 requests, and the bytes are the same kernel randomness. A forked
+    child starts a batch of its own (no id is issued twice)."""
 
     def __init__(self) -> None:
         self._pool = b""

@@ -382,8 +382,8 @@ async def test_a_request_costs_no_loop_lookup_and_no_randomness_system_call(
     upstream: FakeUpstream, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On Python 3.11 asyncio.get_running_loop() is a getpid() system call, and os.urandom
-    a getrandom(): a small chat made five of them (a tenth of its CPU went to entering the
-    kernel). kvproxy's own code, past a connection's first request, makes none."""
+    a getrandom(): a small chat made five of them that its work did not need. kvproxy's
+    own code, past a connection's first request, makes none."""
     import os
     import sys
 
