@@ -105,16 +105,25 @@ async def test_engine_counting_more_than_the_proxy_is_flagged(
     assert "tokenizer does not match the model" in captured.getvalue()
 
 
-def test_the_direct_access_line_is_the_line_logging_would_write() -> None:
-    from kvproxy.observe.logs import JsonStreamHandler, _only_json_handler, emit_access
+def _own_logger(name: str, stream: io.StringIO) -> tuple[logging.Logger, logging.Handler]:
+    """A logger whose only handler is kvproxy's JSON handler on `stream` (no propagation):
+    the configuration under which emit_access writes the line itself."""
+    from kvproxy.observe.logs import JsonStreamHandler
 
-    buf = io.StringIO()
-    handler = JsonStreamHandler(buf)
+    handler = JsonStreamHandler(stream)
     handler.setFormatter(JsonFormatter())
-    log = logging.getLogger("kvproxy.access.direct-test")
+    log = logging.getLogger(name)
     log.propagate = False
     log.setLevel(logging.INFO)
     log.addHandler(handler)
+    return log, handler
+
+
+def test_the_direct_access_line_is_the_line_logging_would_write() -> None:
+    from kvproxy.observe.logs import _only_json_handler, emit_access
+
+    buf = io.StringIO()
+    log, handler = _own_logger("kvproxy.access.direct-test", buf)
     fields = {"request_id": "r1", "method": "POST", "path": "/v1/x", "route": "chat",
               "status": 200, "reason": None, "prompt_tokens": 12, "ttft_s": 0.25,
               "deferred_s": None}  # fmt: skip
@@ -149,7 +158,7 @@ def test_the_direct_access_line_is_the_line_logging_would_write() -> None:
 async def test_access_lines_of_one_loop_iteration_are_written_together_and_in_order() -> None:
     import asyncio
 
-    from kvproxy.observe.logs import PENDING_LINES, JsonStreamHandler, emit_access
+    from kvproxy.observe.logs import PENDING_LINES, emit_access
 
     class Counting(io.StringIO):
         writes = 0
@@ -159,12 +168,7 @@ async def test_access_lines_of_one_loop_iteration_are_written_together_and_in_or
             return super().write(s)
 
     buf = Counting()
-    handler = JsonStreamHandler(buf)
-    handler.setFormatter(JsonFormatter())
-    log = logging.getLogger("kvproxy.access.batch-test")
-    log.propagate = False
-    log.setLevel(logging.INFO)
-    log.addHandler(handler)
+    log, handler = _own_logger("kvproxy.access.batch-test", buf)
     loop = asyncio.get_running_loop()
     names = ("request_id", "status")
     try:
