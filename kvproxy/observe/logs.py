@@ -62,21 +62,23 @@ class JsonStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def write_soon(self, line: str, loop: asyncio.AbstractEventLoop | None) -> None:
         """Write `line` with the others of this loop iteration (now, without a loop)."""
-        pending = self._pending
-        if loop is None or len(pending) >= PENDING_LINES:
+        # Under the handler's lock: a record logged from another thread writes the waiting
+        # lines (`emit`), and a line appended while it does so must not be dropped.
+        with self.lock:  # type: ignore[union-attr]  # a StreamHandler has one
+            pending = self._pending
             pending.append(line)
+            if loop is not None and len(pending) < PENDING_LINES:
+                if len(pending) == 1:
+                    loop.call_soon(self.write_pending)
+                return
             self.write_pending()
-            return
-        if not pending:
-            loop.call_soon(self.write_pending)
-        pending.append(line)
 
     def write_pending(self) -> None:
-        if not self._pending:
-            return
-        data = "".join(self._pending)
-        self._pending.clear()
         with self.lock:  # type: ignore[union-attr]  # a StreamHandler has one
+            if not self._pending:
+                return
+            data = "".join(self._pending)
+            self._pending.clear()
             try:
                 self.stream.write(data)
                 self.stream.flush()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 
 import aiohttp
 import orjson
@@ -193,10 +194,18 @@ async def test_access_lines_of_one_loop_iteration_are_written_together_and_in_or
         before = buf.writes
         for i in range(PENDING_LINES + 2):
             emit_access(log, names, (f"b{i}", 200), loop)
-        assert buf.writes == before + 1  # the first PENDING_LINES + 1, at once
+        assert buf.writes == before + 1  # the first PENDING_LINES, at once
         await asyncio.sleep(0)
         assert buf.writes == before + 2  # the last, at the end of the iteration
         assert len(buf.getvalue().splitlines()) == 6 + PENDING_LINES + 2
+        # A record from another thread (a worker's warning) writes the waiting lines first.
+        emit_access(log, names, ("r5", 200), loop)
+        worker = threading.Thread(target=log.warning, args=("from a worker",))
+        worker.start()
+        worker.join()
+        assert [json.loads(x).get("request_id") for x in buf.getvalue().splitlines()[-2:]] == [
+            "r5", None
+        ]  # fmt: skip
         # Without a loop the line is written at once.
         emit_access(log, names, ("now", 200))
         assert json.loads(buf.getvalue().splitlines()[-1])["request_id"] == "now"
