@@ -54,8 +54,7 @@ class _RequestIds:
     child starts a batch of its own (no id is issued twice)."""
 
     def __init__(self) -> None:
-        self._pool = b""
-        self._at = 0
+        self.reset()
 
     def reset(self) -> None:
         self._pool = b""

@@ -410,11 +410,11 @@ class Connection(asyncio.Protocol):
         transfer may be in flight can answer its client and hold the upstream (I5). Once
         the caller cancels it (a safe point), a timeout fails the response and aborts."""
         assert self.transport is not None
+        assert self._loop is not None  # both set by connection_made
         assert self.response is None
         self._silence = silence
         self.response = UpstreamResponse(self)
-        loop = self._loop or asyncio.get_running_loop()
-        self.head = head_future = loop.create_future()
+        self.head = head_future = self._loop.create_future()
         head_future.add_done_callback(self._head_settled)
         self._no_body = no_body
         self._interim = False
