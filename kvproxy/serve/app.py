@@ -26,7 +26,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvproxy.config import Settings
 from kvproxy.observe import Metrics
-from kvproxy.policy import TenantResolver, errors
+from kvproxy.policy import TenantResolver, admission, errors
 from kvproxy.response import CanaryRules
 from kvproxy.serve.handler import SERVICES_KEY, STATE_KEY, handle
 from kvproxy.serve.headers import MAX_FIELD_BYTES, MAX_LINE_BYTES
@@ -38,7 +38,7 @@ from kvproxy.serve.overload import (
     derived_connection_limit,
 )
 from kvproxy.serve.replies import error_response
-from kvproxy.serve.state import ServerState, Services
+from kvproxy.serve.state import HardStop, ServerState, Services
 from kvproxy.serve.watch import DisconnectWatcher, LoopLagMonitor, release_heap, settle_heap
 from kvproxy.tokens import TokenCounter
 from kvproxy.upstream import UpstreamPool
@@ -136,8 +136,9 @@ class KvproxyServer:
             canaries=CanaryRules.from_settings(s),
             connections=ConnectionGate(s.max_connections or derived_connection_limit()),
             body_memory=BodyMemoryGate(s.max_body_memory_bytes),
+            policy=admission.Policy(s.decode_policy, s.default_output_tokens),
         )
-        self._state = state = ServerState(hard_stop=loop.create_future())
+        self._state = state = ServerState(hard_stop=HardStop(loop))
         state.idle.set()
         # Read at scrape time: a gauge write per request start and end was measurable.
         self.metrics.inflight.set_function(lambda: state.inflight)
@@ -262,8 +263,7 @@ class KvproxyServer:
             )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.idle.wait(), self.settings.shutdown_grace_s)
-        if not state.hard_stop.done():
-            state.hard_stop.set_result(None)
+        state.hard_stop.fire()
         if state.inflight:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.idle.wait(), FINAL_CLEANUP_S)

@@ -35,7 +35,7 @@ from kvproxy.response import CanaryHit, CanaryScanner, ResponseInspector, SSEErr
 from kvproxy.serve.context import RequestContext
 from kvproxy.serve.headers import filter_headers
 from kvproxy.serve.replies import error_response
-from kvproxy.serve.state import Services
+from kvproxy.serve.state import HardStop, Services
 from kvproxy.upstream import UpstreamResponse, network_boundary
 
 log = logging.getLogger("kvproxy.relay")
@@ -63,7 +63,7 @@ class Exchange:
     def __init__(
         self,
         services: Services,
-        hard_stop: asyncio.Future[None],
+        hard_stop: HardStop,
         request: web.Request,
         record: RequestContext,
         *,
@@ -130,7 +130,7 @@ class Exchange:
         # (after Shutdown the machine has closed the upstream and nothing waits again).
         if not self.machine.client_gone and self.gone.done():
             return GONE
-        if self.hard_stop.done():
+        if self.hard_stop.future.done():
             return SHUTDOWN
         if self._silent():
             return SILENT
@@ -154,21 +154,29 @@ class Exchange:
             if not waiter.done():
                 waiter.set_result(None)
 
-        watched = [fut, self.hard_stop]
-        if not self.machine.client_gone:
-            watched.append(self.gone)
-            watched.append(self.silence)
-        for f in watched:
-            f.add_done_callback(wake)
+        # Spelled out rather than a list of the watched futures and a generator over it:
+        # this runs once per request (the wait for the response head).
+        hard, gone, silence = self.hard_stop, self.gone, self.silence
+        client = not self.machine.client_gone
+        fut.add_done_callback(wake)
+        hard.wakers.add(wake)
+        if client:
+            gone.add_done_callback(wake)
+            silence.add_done_callback(wake)
         timer = None
         if self.machine.deadline is not None:
             timer = loop.call_at(loop.time() + self.machine.deadline - time.monotonic(), wake)
         try:
-            if not any(f.done() for f in watched):
+            if not (
+                fut.done() or hard.future.done() or (client and (gone.done() or silence.done()))
+            ):
                 await waiter
         finally:
-            for f in watched:
-                f.remove_done_callback(wake)
+            fut.remove_done_callback(wake)
+            hard.wakers.discard(wake)
+            if client:
+                gone.remove_done_callback(wake)
+                silence.remove_done_callback(wake)
             if timer is not None:
                 timer.cancel()
 
@@ -209,7 +217,9 @@ class Exchange:
         send = s.upstream.start(upstream, method, target, headers, body, silence=self.silence)
         try:
             result = await self._headers_phase(send)
-            if isinstance(result, web.StreamResponse) or result is None:
+            # Tested on the plain class: aiohttp's responses are MutableMappings, and an
+            # isinstance against one goes through ABCMeta's Python-level check.
+            if not isinstance(result, UpstreamResponse):
                 return result
             return await self._body_phase(result, t_sent)
         finally:

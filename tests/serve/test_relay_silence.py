@@ -151,3 +151,32 @@ async def test_silence_that_outlasts_the_drain_deadline_closes_as_timeout() -> N
         assert await wait_until(lambda: deferred(proxy, "timeout") == 1)
         await asyncio.wait_for(router.closed_after_answer.wait(), 30)
         assert router.closed_before_answer is True  # closed by kvproxy, at the deadline
+
+
+async def test_a_held_upstream_still_open_when_the_grace_period_ends_closes_as_shutdown() -> None:
+    """The hard stop (the shutdown grace period over) wakes the wait a held upstream is in
+    (kvproxy.serve.state.HardStop: a set of wake-ups, not a callback on one shared future):
+    it is closed then, counted as a `shutdown` deferral, and the server's stop returns."""
+    router = SilentRouter(stream=True)
+    async with (
+        silent_router(router) as url,
+        running_proxy(
+            url, upstream_read_timeout_s=0.3, drain_timeout_s=600, shutdown_grace_s=0.2
+        ) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
+        body = orjson.dumps(
+            {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        async with http.post(proxy.public_url + CHAT, data=body) as resp:
+            assert resp.status == 504
+            await resp.read()
+        assert await wait_until(lambda: in_progress(proxy) == 1)
+        assert router.closed_before_answer is None  # held: kvproxy did not close it
+        # Bounded, not timed: the drain deadline (600 s) is far past this bound, so only the
+        # hard stop can end the wait within it.
+        await asyncio.wait_for(proxy.stop(), 60)
+        assert deferred(proxy, "shutdown") == 1
+        assert in_progress(proxy) == 0
+        await asyncio.wait_for(router.closed_after_answer.wait(), 30)
+        assert router.closed_before_answer is True  # closed by kvproxy, never answered
