@@ -3,6 +3,7 @@ definition the tripwire and the drain's first-token detection share (#15.1, #24.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -287,9 +288,41 @@ def test_chunk_shaped_objects_read_the_same_on_both_paths(
         max_leaves=8,
     ),
     escape=st.booleans(),
+    spaced=st.booleans(),
 )  # fmt: skip
-def test_prompt_tokens_in_reads_what_the_full_reading_reads(obj: object, escape: bool) -> None:
-    data = orjson.dumps(obj)
+def test_prompt_tokens_in_reads_what_the_full_reading_reads(
+    obj: object, escape: bool, spaced: bool
+) -> None:
+    # json.dumps with indent: white space before every key, the other spelling a body has.
+    data = json.dumps(obj, indent=1).encode() if spaced else orjson.dumps(obj)
     if escape:  # the key written with an escape is still the key
         data = data.replace(b'"usage"', b'"\\u0075sage"')
     assert usage.prompt_tokens_in(data) == output.read_payload(data).prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        # Decoded from the last key on: the members after it come along.
+        (b'{"id":"x","usage":{"prompt_tokens":7},"kv_transfer_params":null}', 7),
+        (b'{"usage":{"prompt_tokens":7},"choices":[{"usage":{"prompt_tokens":9}}]}', 7),
+        # The last "usage" is nested (in a member after the top-level one): the whole body.
+        (b'{"usage":{"prompt_tokens":7},"x":{"usage":{"prompt_tokens":9}}}', 7),
+        (b'{"x":{"usage":{"prompt_tokens":9}}}', None),
+        # A value spelled "usage", last, and an escaped quote before it inside a key.
+        (b'{"usage":{"prompt_tokens":7},"type":"usage"}', 7),
+        (b'{"x\\"usage":{"prompt_tokens":9}}', None),
+        (b'{"x\\"usage":{"prompt_tokens":9},"usage":{"prompt_tokens":7}}', 7),
+        # Duplicates: the last wins, as in the whole body, escaped or not.
+        (b'{"usage":{"prompt_tokens":7},"\\u0075sage":{"prompt_tokens":8}}', 8),
+        (b'{"\\u0075sage":{"prompt_tokens":8},"usage":{"prompt_tokens":7}}', 7),
+        (b'{"usage":{"prompt_tokens":7},"usage":{"input_tokens":5}}', 5),
+        # Text that quotes the key is escaped, so it is never the key.
+        (b'{"text":"{\\"usage\\":{\\"prompt_tokens\\":9}}"}', None),
+        (b'[{"usage":{"prompt_tokens":9}}]', None),
+        (b'{"usage" : {"prompt_tokens" : 7}\n}', 7),
+    ],
+)
+def test_prompt_tokens_in_reads_only_the_top_level_usage(body: bytes, expected: int | None) -> None:
+    assert usage.prompt_tokens_in(body) == expected
+    assert output.read_payload(body).prompt_tokens == expected
