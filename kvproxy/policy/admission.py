@@ -130,11 +130,9 @@ class _Room:
     n: int
     prompt_only: int | None  # the decode engines' input-only limit, when no output is asked
     clamp: bool
-
-    @property
-    def full(self) -> int:
-        """The largest prompt served with all the output it asked for."""
-        return self.decode_limit - self.needed_output
+    # The largest prompt served with all the output it asked for: decode_limit -
+    # needed_output (a field, read twice a request; a property is a Python call per read).
+    full: int
 
     @property
     def ceiling(self) -> int:
@@ -161,9 +159,10 @@ def _decode_room(shape: ShapeView, limits: LimitsView, policy: Policy) -> _Room 
     n = max(shape.n, 1)
     # Positional, in the fields' order: keyword matching was half the cost of building
     # one, twice a request.
+    needed = per_sample * n
     return _Room(
-        decode_limit, per_sample * n, n, limits.decode_prompt_limit_tokens,
-        policy.decode_policy == "clamp",
+        decode_limit, needed, n, limits.decode_prompt_limit_tokens,
+        policy.decode_policy == "clamp", decode_limit - needed,
     )  # fmt: skip
 
 

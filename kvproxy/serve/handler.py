@@ -32,12 +32,11 @@ refused request sends nothing upstream (I7). Nothing here logs request or respon
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Final, Literal
+from typing import Final
 
 from aiohttp import web
 
@@ -78,8 +77,9 @@ Plan = tuple[tuple[Stage, bool], ...]
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    services = request.app[SERVICES_KEY]
-    state = request.app[STATE_KEY]
+    app = request.app  # a property: read once
+    services = app[SERVICES_KEY]
+    state = app[STATE_KEY]
     # Decided on the raw path that is forwarded, never on a decoded form (kvproxy.policy.routes).
     match = route_table(services.settings.passthrough_routes).classify(
         request.method, request.rel_url.raw_path
@@ -156,8 +156,9 @@ async def _run(ctx: RequestContext, stages: Plan) -> web.StreamResponse | None:
         else:
             # No other cluster holds it (or its budget refused): the connect failure stands.
             ctx.upstream = ctx.tried
-    if exchange.prompt_tokens is not None and ctx.prompt_tokens is not None:
-        _drift(ctx, exchange.prompt_tokens)
+    engine_tokens = exchange.prompt_tokens  # a property: read once
+    if engine_tokens is not None and ctx.prompt_tokens is not None:
+        _drift(ctx, engine_tokens)
     # A streamed response must be handed back to aiohttp itself: returning any other object
     # would make it write a second status line onto the same keep-alive connection.
     return resp if resp is not None else exchange.client
@@ -371,7 +372,7 @@ async def admit(ctx: RequestContext) -> Stop | None:
     svc, metrics, route = ctx.model_services, ctx.services.metrics, ctx.match.route
     assert svc is not None
     assert route is not None
-    policy = _policy(ctx.services)
+    policy = ctx.services.policy
     clusters = svc.clusters
     if len(clusters) == 1:
         limits = clusters[0].limits()
@@ -413,7 +414,7 @@ def pick_cluster(ctx: RequestContext) -> Stop | None:
     assert svc is not None
     assert shape is not None
     assert count is not None
-    policy = _policy(ctx.services)
+    policy = ctx.services.policy
     clusters = svc.clusters
     if len(clusters) == 1:
         cluster = clusters[0]
@@ -468,7 +469,7 @@ def recheck_after_queue(ctx: RequestContext) -> Stop | None:
     assert lease is not None
     if lease.waited_s <= 0:
         return None
-    again = admission.recheck(verdict, cluster.limits(), _policy(ctx.services))
+    again = admission.recheck(verdict, cluster.limits(), ctx.services.policy)
     if isinstance(again, admission.Reject):
         return again.error
     ctx.verdict = again
@@ -559,19 +560,6 @@ def _stages_for(ctx: RequestContext) -> Plan:
 def _scanner(ctx: RequestContext) -> CanaryScanner | None:
     canaries = ctx.services.canaries
     return canaries.scanner(ctx.tenant) if canaries.active else None
-
-
-def _policy(services: Services) -> admission.Policy:
-    s = services.settings
-    return _policy_of(s.decode_policy, s.default_output_tokens)
-
-
-@functools.lru_cache(maxsize=8)
-def _policy_of(
-    decode_policy: Literal["reject", "clamp"], default_output_tokens: int
-) -> admission.Policy:
-    # Settings are frozen: the same two values, the same (immutable) Policy, built once.
-    return admission.Policy(decode_policy, default_output_tokens)
 
 
 def _drift(ctx: RequestContext, engine_tokens: int) -> None:

@@ -38,9 +38,11 @@ def filter_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMulti
     for value in headers.getall("Connection", ()):
         for token in value.split(","):
             out.popall(token.strip(), None)
-    # The hop-by-hop names present, found in C (a test per known name was a dozen Python
-    # lines per call); usually Host and Content-Length, or none.
-    for name in HOP_BY_HOP.intersection(map(str.lower, headers.keys())):
+    # The hop-by-hop names present, found by multidict's C set operation, which matches
+    # case-insensitively (a Python test per known name was a dozen lines per call, and
+    # lower-casing every name into a set for an intersection cost a third more than this);
+    # usually Host and Content-Length, or none.
+    for name in headers.keys() & HOP_BY_HOP:
         out.popall(name, None)
     return out
 

@@ -121,7 +121,9 @@ class _Variant:
             self.bag.levels,
             self.bag.depth,
         )
-        # The O(1) bound prices every byte and value at the worst of any input.
+        # The O(1) bound prices every byte and value at the worst of any input (the value's
+        # price read once here: `any_level` is a max over the levels, per request in `quick`).
+        self.quick_value = self.bag.any_level
         self.quick_byte = max([1, *(r.worst for r in roots.values())])
         self.quick_byte_alias = max([1, *(r.worst_alias for r in roots.values())])
         # The tokenizer's special tokens are template inputs a request may also override:
@@ -226,10 +228,10 @@ class ChatGuarantee:
         byte = v.quick_byte
         if "reasoning" in text or "thinking" in text:
             byte = v.quick_byte_alias
-        bag = v.bag
-        size = v.static + byte * data + bag.any_level * values
-        if bag.depth:
-            size += bag.depth * values * brackets
+        size = v.static + byte * data + v.quick_value * values
+        depth = v.bag.depth
+        if depth:
+            size += depth * values * brackets
         if v.cross:
             size += v.cross_terms(
                 lambda m, _: data if m in "PX" else (values * brackets if m == "I" else values)
