@@ -164,8 +164,11 @@ class Exchange:
             gone.add_done_callback(wake)
             silence.add_done_callback(wake)
         timer = None
-        if self.machine.deadline is not None:
-            timer = loop.call_at(loop.time() + self.machine.deadline - time.monotonic(), wake)
+        # A deadline only while a drain is under way, which needs the client gone: the
+        # property is not read for a present one (most waits).
+        deadline = None if client else self.machine.deadline
+        if deadline is not None:
+            timer = loop.call_at(loop.time() + deadline - time.monotonic(), wake)
         try:
             if not (
                 fut.done() or hard.future.done() or (client and (gone.done() or silence.done()))
@@ -301,7 +304,7 @@ class Exchange:
         got_first = False
         while True:
             m = self.machine
-            fast = got_first and not m.client_gone and (m.token_seen or not self.streaming)
+            fast = got_first and not m.client_gone and (not self.streaming or m.token_seen)
             if fast and not self.silence.done():
                 # A safe point: from here the read timeout fails the read and closes.
                 self.silence.cancel()
@@ -517,8 +520,10 @@ class Exchange:
 
     def _account_deferral(self) -> None:
         m = self.services.metrics
+        if not self.machine.client_gone:
+            return
         outcome = self.machine.outcome
-        if not self.machine.client_gone or outcome is None:
+        if outcome is None:
             return
         now = time.monotonic()
         duration = self.machine.deferred_for(now)
