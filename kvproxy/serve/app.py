@@ -26,7 +26,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvproxy.config import Settings
 from kvproxy.observe import Metrics
-from kvproxy.policy import TenantResolver, admission, errors
+from kvproxy.policy import TenantResolver, admission, errors, route_table
 from kvproxy.response import CanaryRules
 from kvproxy.serve.handler import SERVICES_KEY, STATE_KEY, handle
 from kvproxy.serve.headers import MAX_FIELD_BYTES, MAX_LINE_BYTES
@@ -137,6 +137,7 @@ class KvproxyServer:
             connections=ConnectionGate(s.max_connections or derived_connection_limit()),
             body_memory=BodyMemoryGate(s.max_body_memory_bytes),
             policy=admission.Policy(s.decode_policy, s.default_output_tokens),
+            routes=route_table(s.passthrough_routes),
         )
         self._state = state = ServerState(hard_stop=HardStop(loop))
         state.idle.set()

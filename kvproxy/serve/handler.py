@@ -42,7 +42,7 @@ from aiohttp import web
 
 from kvproxy.budget import charge_tokens
 from kvproxy.observe import ACCESS_LOGGER, emit_access
-from kvproxy.policy import KvproxyError, admission, clamp_output, errors, route_table, routing
+from kvproxy.policy import KvproxyError, admission, clamp_output, errors, routing
 from kvproxy.prompt import parse_request
 from kvproxy.response import CanaryScanner
 from kvproxy.serve.body import content_coding, decode, forwarded_headers, read_arrived, read_raw
@@ -81,9 +81,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     services = app[SERVICES_KEY]
     state = app[STATE_KEY]
     # Decided on the raw path that is forwarded, never on a decoded form (kvproxy.policy.routes).
-    match = route_table(services.settings.passthrough_routes).classify(
-        request.method, request.rel_url.raw_path
-    )
+    match = services.routes.classify(request.method, request.rel_url.raw_path)
     route = match.route
     # Positional, one field a line in declaration order: matching eleven keywords cost a
     # third of building the context.

@@ -27,6 +27,7 @@ from kvproxy.serve.watch import DisconnectWatcher, LoopLagMonitor
 
 if TYPE_CHECKING:
     from kvproxy.policy import TenantResolver
+    from kvproxy.policy.routes import RouteTable
     from kvproxy.response import CanaryRules
     from kvproxy.serve.models import ModelTable
     from kvproxy.serve.overload import BodyMemoryGate, ConnectionGate
@@ -54,6 +55,9 @@ class Services:
     # once: every counted request decides with it, and reading two settings fields per use
     # went through pydantic's __getattr__ hook.
     policy: admission.Policy
+    # The pass-through routes' table (settings.passthrough_routes), parsed once: every
+    # request is classified against it.
+    routes: RouteTable
 
 
 class HardStop:
@@ -100,7 +104,10 @@ class ServerState:
     def enter(self) -> int:
         """One more request in flight; returns how many now are."""
         self.inflight += 1
-        self.idle.clear()
+        if self.inflight == 1:
+            # Set only when the count reaches 0 (`leave`): clear on the way out of it, not
+            # per request (a Python call each).
+            self.idle.clear()
         return self.inflight
 
     def leave(self) -> int:
