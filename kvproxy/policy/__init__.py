@@ -23,7 +23,14 @@ from kvproxy.policy.errors import (
 )
 from kvproxy.policy.origin import Origin, parse_origin
 from kvproxy.policy.records import record
-from kvproxy.policy.routes import CHAT_ROUTES, Route, RouteMatch, parse_passthrough, route_table
+from kvproxy.policy.routes import (
+    CHAT_ROUTES,
+    Route,
+    RouteMatch,
+    RouteTable,
+    parse_passthrough,
+    route_table,
+)
 from kvproxy.policy.routing import EJECTION_CAUSES, ROUTING_REASONS
 from kvproxy.policy.tenants import TenantResolver, sanitize_tenant
 
@@ -43,6 +50,7 @@ __all__ = [
     "Origin",
     "Route",
     "RouteMatch",
+    "RouteTable",
     "TenantResolver",
     "TokenCount",
     "UpstreamFailure",

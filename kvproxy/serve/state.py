@@ -26,8 +26,7 @@ from kvproxy.policy import admission
 from kvproxy.serve.watch import DisconnectWatcher, LoopLagMonitor
 
 if TYPE_CHECKING:
-    from kvproxy.policy import TenantResolver
-    from kvproxy.policy.routes import RouteTable
+    from kvproxy.policy import RouteTable, TenantResolver
     from kvproxy.response import CanaryRules
     from kvproxy.serve.models import ModelTable
     from kvproxy.serve.overload import BodyMemoryGate, ConnectionGate
