@@ -11,11 +11,14 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 from kvtest import running_proxy, wait_until
+
+from kvproxy.serve import KvproxyServer
 
 CHAT = "/v1/chat/completions"
 TOKEN = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
@@ -86,6 +89,25 @@ async def silent_router(router: SilentRouter) -> AsyncIterator[str]:
         await server.wait_closed()
 
 
+@contextlib.asynccontextmanager
+async def proxied(
+    router: SilentRouter, **settings: Any
+) -> AsyncIterator[tuple[KvproxyServer, aiohttp.ClientSession]]:
+    """kvproxy (with `settings`) in front of `router`, and a client session."""
+    async with (
+        silent_router(router) as url,
+        running_proxy(url, **settings) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
+        yield proxy, http
+
+
+def chat(stream: bool) -> bytes:
+    return orjson.dumps(
+        {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    )
+
+
 def in_progress(proxy: object) -> float:
     got = proxy.metrics.registry.get_sample_value(  # type: ignore[attr-defined]
         "kvproxy_deferred_cancellations_in_progress", {"upstream": "default"}
@@ -108,17 +130,10 @@ async def test_silent_upstream_is_answered_504_and_held_until_a_safe_point(
     stream: bool, head_first: bool, outcome: str
 ) -> None:
     router = SilentRouter(stream=stream, head_first=head_first)
-    async with (
-        silent_router(router) as url,
-        running_proxy(
-            url, upstream_read_timeout_s=0.3, drain_timeout_s=60, upstream_keepalive_s=0.5
-        ) as proxy,
-        aiohttp.ClientSession() as http,
-    ):
-        body = orjson.dumps(
-            {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
-        )
-        async with http.post(proxy.public_url + CHAT, data=body) as resp:
+    async with proxied(
+        router, upstream_read_timeout_s=0.3, drain_timeout_s=60, upstream_keepalive_s=0.5
+    ) as (proxy, http):
+        async with http.post(proxy.public_url + CHAT, data=chat(stream)) as resp:
             data = await resp.read()
             # Nothing was relayed yet (a head alone is not forwarded): a 504, and the
             # connection is not kept alive behind the held upstream.
@@ -138,15 +153,8 @@ async def test_silent_upstream_is_answered_504_and_held_until_a_safe_point(
 
 async def test_silence_that_outlasts_the_drain_deadline_closes_as_timeout() -> None:
     router = SilentRouter(stream=True)
-    async with (
-        silent_router(router) as url,
-        running_proxy(url, upstream_read_timeout_s=0.2, drain_timeout_s=0.3) as proxy,
-        aiohttp.ClientSession() as http,
-    ):
-        body = orjson.dumps(
-            {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
-        )
-        async with http.post(proxy.public_url + CHAT, data=body) as resp:
+    async with proxied(router, upstream_read_timeout_s=0.2, drain_timeout_s=0.3) as (proxy, http):
+        async with http.post(proxy.public_url + CHAT, data=chat(True)) as resp:
             assert resp.status == 504
         assert await wait_until(lambda: deferred(proxy, "timeout") == 1)
         await asyncio.wait_for(router.closed_after_answer.wait(), 30)
@@ -158,17 +166,10 @@ async def test_a_held_upstream_still_open_when_the_grace_period_ends_closes_as_s
     (kvproxy.serve.state.HardStop: a set of wake-ups, not a callback on one shared future):
     it is closed then, counted as a `shutdown` deferral, and the server's stop returns."""
     router = SilentRouter(stream=True)
-    async with (
-        silent_router(router) as url,
-        running_proxy(
-            url, upstream_read_timeout_s=0.3, drain_timeout_s=600, shutdown_grace_s=0.2
-        ) as proxy,
-        aiohttp.ClientSession() as http,
-    ):
-        body = orjson.dumps(
-            {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-        )
-        async with http.post(proxy.public_url + CHAT, data=body) as resp:
+    async with proxied(
+        router, upstream_read_timeout_s=0.3, drain_timeout_s=600, shutdown_grace_s=0.2
+    ) as (proxy, http):
+        async with http.post(proxy.public_url + CHAT, data=chat(True)) as resp:
             assert resp.status == 504
             await resp.read()
         assert await wait_until(lambda: in_progress(proxy) == 1)
