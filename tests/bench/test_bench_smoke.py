@@ -50,6 +50,22 @@ def test_verdicts_compare_ratios_against_the_issue_targets() -> None:
     assert verdicts["RSS with the real tokenizer loaded"]["verdict"] == "n/a"
 
 
+def test_the_kvproxy_bare_verdicts_take_the_median_of_the_rounds_ratios() -> None:
+    # The medians of the rows would read 200/120 = 1.67 (the disturbed third round moves
+    # kvproxy's median); the rounds' own ratios, paired in time, read 1.25, 1.28 and 2.5.
+    results = {
+        "small_chat": {"kvproxy": {"cpu_us_per_req": 200.0}, "bare": {"cpu_us_per_req": 120.0}},
+        "sse": {"kvproxy": {"cpu_us_per_chunk": 14.0}, "bare": {"cpu_us_per_chunk": 10.0}},
+        "round_ratios": {"small_chat": [1.25, 2.5, 1.28], "sse": []},
+    }
+    verdicts = {v["goal"]: v for v in report.judge(results)}
+    small = verdicts["small chat: CPU per request, kvproxy / bare"]
+    assert small["value"] == pytest.approx(1.28)
+    assert small["verdict"] == "PASS"
+    # Without per-round ratios (an SSE phase that did not pair): the ratio of the medians.
+    assert verdicts["SSE relay: CPU per chunk, kvproxy / bare"]["value"] == pytest.approx(1.4)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tiny_run_measures_every_target_and_writes_the_report(tmp_path: Path) -> None:
