@@ -114,6 +114,57 @@ def record(pid: int, seconds: float, out: Path, drive: Callable[[], object]) -> 
     return out.read_text() if out.exists() else ""
 
 
+def gil_holders(pid: int, seconds: float, out: Path) -> dict[str, Any]:
+    """What holds the GIL in `pid` for the next `seconds` (the caller keeps it loaded).
+
+    `py-spy record --gil --threads` keeps only the samples of the thread holding it, so each
+    share is the fraction of the time one thread (or one function, its own frame) kept every
+    other thread, the event loop among them, from running Python. By thread name (numbered
+    workers merged) and by the innermost frame."""
+    spy = ensure_py_spy()
+    if isinstance(spy, str):
+        return {"skipped": spy}
+    cmd = [str(spy), "record", "--format", "raw", "--rate", "200", "--nonblocking", "--gil"]
+    cmd += ["--threads", "-d", str(max(1, round(seconds))), "-o", str(out), "-p", str(pid)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc.wait(seconds + 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return summarise_gil(out.read_text() if out.exists() else "", seconds)
+
+
+def summarise_gil(text: str, seconds: float) -> dict[str, Any]:
+    """`gil_holders`' shares from py-spy's raw `--threads` output."""
+    threads: Counter[str] = Counter()
+    frames: Counter[str] = Counter()
+    total = 0
+    for line in text.splitlines():
+        stack, _, n_text = line.rpartition(" ")
+        if not stack or not n_text.isdigit():
+            continue
+        n = int(n_text)
+        total += n
+        # "thread (TID): NAME;frame;frame": worker threads are NAME_0, NAME_1, ...
+        first, _, rest = stack.partition(";")
+        threads[first.split(": ", 1)[-1].rstrip("0123456789").rstrip("_")] += n
+        frames[frame_name(stack.rsplit(";", 1)[-1]) if rest else first] += n
+    if not total:
+        return {"seconds": seconds, "samples": 0, "threads": [], "functions": []}
+
+    def share(c: Counter[str]) -> list[tuple[str, float]]:
+        return [(k, round(100 * n / total, 1)) for k, n in c.most_common(TOP)]
+
+    return {
+        "seconds": seconds,
+        "samples": total,
+        "threads": share(threads),
+        "functions": share(frames),
+    }
+
+
 def profile_phases(
     steps: Sequence[Step],
     opts_for: Callable[[str | None, tuple[tuple[str, str], ...]], targets.KvproxyOptions],
@@ -191,4 +242,4 @@ def section(r: dict[str, Any]) -> list[str]:
     return out
 
 
-__all__ = ["profile_phases", "section", "summarise"]
+__all__ = ["gil_holders", "profile_phases", "section", "summarise", "summarise_gil"]

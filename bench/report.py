@@ -557,7 +557,9 @@ def _concurrent_section(r: Results) -> list[str]:
         "so that each one is counted exactly (`kind`: what X-Kvproxy-Prompt-Tokens-Kind said). "
         "TTFB = client's time to the first response byte; *added* = minus direct's at the same "
         "size and concurrency (nearest-rank quantiles). CPU per prompt from /proc; peak RSS = "
-        "VmHWM of the target, started fresh per size. Plot: [long_prompts.png](long_prompts.png).",
+        "VmHWM of the target, started fresh per size. Plot: [long_prompts.png](long_prompts.png). "
+        "Where one such prompt's CPU goes, step by step against fastokens alone: "
+        "[PROFILE-LONG.md](PROFILE-LONG.md) (`bench/profile_long.py`).",
         "",
     ]
     rows = []
@@ -628,7 +630,30 @@ def _mixed_section(r: Results) -> list[str]:
         f"{mx['small_errors']}.",
         "",
     ]
-    return out
+    return out + _gil_lines(mx.get("gil"))
+
+
+def _gil_lines(gil: Any) -> list[str]:
+    """The tail-latency profile: who held the GIL (and so stalled the loop) meanwhile."""
+    if not isinstance(gil, dict):
+        return []
+    if "skipped" in gil:
+        return [f"Not profiled for the GIL: {gil['skipped']}.", ""]
+    if not gil.get("samples"):
+        return ["py-spy --gil took no sample.", ""]
+    threads = ", ".join(f"{name} {pct} %" for name, pct in gil["threads"])
+    out = [
+        f"What held the GIL while 4 MB prompts were counted (`py-spy record --gil --threads`, "
+        f"{gil['seconds']:g} s after the timed part, {gil['samples']} samples; a sample is "
+        "taken only from the thread holding the GIL, so a share is time every other thread, "
+        f"the event loop's included, could not run Python): by thread, {threads}. By "
+        "function (its own frame):",
+        "",
+    ]
+    out += _table(
+        ["% of GIL samples", "function"], [[f"{p}", f"`{f}`"] for f, p in gil["functions"]]
+    )
+    return [*out, ""]
 
 
 def _memory_section(r: Results) -> list[str]:

@@ -84,6 +84,8 @@ PHASES = ("comparison", "policy", "profile", "instructions", "budget", "long", "
           "decision", "mixed", "memory")  # fmt: skip
 # Small requests per second in the mixed phase when the comparison did not run this time.
 MIXED_DEFAULT_RPS = 1200.0
+# py-spy --gil after the mixed phase: 800 samples at its 200 Hz.
+GIL_SECONDS = 4.0
 
 PROFILES = {
     # Three rounds, not two: the median of two is their mean, and on this shared machine one
@@ -389,11 +391,28 @@ class Bench:
         # saturation that queueing does not hide (or fake) the effect of the big prompts.
         rate = max(10.0, 0.25 * (saturated_rps or 40.0))
         self.log(f"mixed: small requests ({rate:.0f} req/s) while 4 MB prompts are counted")
+
+        def measure(run: Running) -> dict[str, Any]:
+            out = workloads.mixed(run, self.d, rate)
+            # Then, apart from the timed part (py-spy samples from CPU 1, beside the client):
+            # what holds the GIL, and so stalls the loop, while 4 MB prompts are counted.
+            self.log("mixed: py-spy --gil while 4 MB prompts are counted")
+            sender = workloads.BigSender(
+                run.url, workloads.long_chat_body(workloads.LONG_SIZES["4MB"])
+            )
+            sender.start()
+            try:
+                time.sleep(0.5)
+                out["gil"] = profile_phases.gil_holders(
+                    run.pids[0], GIL_SECONDS, profile_phases.OUT / "gil-mixed.txt"
+                )
+            finally:
+                sender.stop_flag.set()
+                sender.join(120)
+            return out
+
         return self.with_target(
-            "kvproxy",
-            targets.kvproxy_starter(self.kvproxy_opts("exact")),
-            chat,
-            lambda run: workloads.mixed(run, self.d, rate),
+            "kvproxy", targets.kvproxy_starter(self.kvproxy_opts("exact")), chat, measure
         )
 
     def memory(self, chat: Upstream) -> dict[str, Any]:

@@ -9,6 +9,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import profile_phases  # noqa: E402
+import report  # noqa: E402
 
 SITE = "/work/main/.venv/lib/python3.11/site-packages"
 COLLAPSED = "\n".join(
@@ -54,3 +55,25 @@ def test_section_lists_each_phase_and_says_why_one_is_missing() -> None:
     skipped = profile_phases.section({"profile": {"skipped": "py-spy could not be installed"}})
     assert "Not profiled: py-spy could not be installed." in skipped
     assert profile_phases.section({}) == []
+
+
+def test_gil_shares_merge_numbered_workers_and_name_the_innermost_frame() -> None:
+    raw = (
+        "thread (11): MainThread;Runner.run (asyncio/runners.py:118);"
+        "load_json (/w/kvproxy/prompt/shape.py:40) 6\n"
+        "thread (12): kvproxy-count_0;_worker (concurrent/futures/thread.py:83);"
+        "segment_chunks (/w/kvproxy/tokens/bounds.py:201) 3\n"
+        "thread (13): kvproxy-count_1;_worker (concurrent/futures/thread.py:83);"
+        "segment_chunks (/w/kvproxy/tokens/bounds.py:210) 1\n"
+    )
+    got = profile_phases.summarise_gil(raw, 4.0)
+    assert got["samples"] == 10
+    assert got["threads"] == [("MainThread", 60.0), ("kvproxy-count", 40.0)]
+    assert got["functions"] == [
+        ("kvproxy/prompt/shape.py:load_json", 60.0),
+        ("kvproxy/tokens/bounds.py:segment_chunks", 40.0),
+    ]
+    lines = "\n".join(report._gil_lines(got))
+    assert "MainThread 60.0 %, kvproxy-count 40.0 %" in lines
+    assert "| 60.0 | `kvproxy/prompt/shape.py:load_json` |" in lines
+    assert profile_phases.summarise_gil("", 4.0)["samples"] == 0
