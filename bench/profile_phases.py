@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +70,24 @@ def frame_name(raw: str) -> str:
     return f"{short}:{name}"
 
 
+def _stacks(collapsed_text: str) -> Iterator[tuple[str, int]]:
+    """(stack, samples) per line of py-spy's collapsed output ("frame;frame;frame N")."""
+    for line in collapsed_text.splitlines():
+        stack, _, n_text = line.rpartition(" ")
+        if stack and n_text.isdigit():
+            yield stack, int(n_text)
+
+
+def _shares(c: Counter[str], total: int, top: int) -> list[tuple[str, float]]:
+    return [(k, round(100 * n / total, 1)) for k, n in c.most_common(top)]
+
+
 def summarise(collapsed_text: str, top: int) -> dict[str, Any]:
     """Self and inclusive sample shares per `file:function` from py-spy's collapsed stacks."""
     self_n: Counter[str] = Counter()
     incl_n: Counter[str] = Counter()
     total = 0
-    for line in collapsed_text.splitlines():
-        stack, _, n_text = line.rpartition(" ")
-        if not stack or not n_text.isdigit():
-            continue
-        n = int(n_text)
+    for stack, n in _stacks(collapsed_text):
         total += n
         frames = [frame_name(f) for f in stack.split(";")]
         if frames:
@@ -89,13 +97,13 @@ def summarise(collapsed_text: str, top: int) -> dict[str, Any]:
                 incl_n[f] += n
     if not total:
         return {"samples": 0, "self": [], "inclusive": []}
-
-    def share(c: Counter[str]) -> list[tuple[str, float]]:
-        return [(f, round(100 * n / total, 1)) for f, n in c.most_common(top)]
-
     # kvproxy's own functions, inclusive: what the policy costs, stage by stage.
     own = Counter({f: n for f, n in incl_n.items() if f.startswith("kvproxy/")})
-    return {"samples": total, "self": share(self_n), "inclusive": share(own)}
+    return {
+        "samples": total,
+        "self": _shares(self_n, total, top),
+        "inclusive": _shares(own, total, top),
+    }
 
 
 def record(pid: int, seconds: float, out: Path, drive: Callable[[], object]) -> str:
@@ -138,30 +146,23 @@ def gil_holders(pid: int, seconds: float, out: Path) -> dict[str, Any]:
 
 def summarise_gil(text: str, seconds: float) -> dict[str, Any]:
     """`gil_holders`' shares from py-spy's raw `--threads` output."""
+    rows = list(_stacks(text))
+    total = sum(n for _, n in rows)
+    if not total:
+        return {"seconds": seconds, "samples": 0, "threads": [], "functions": []}
     threads: Counter[str] = Counter()
     frames: Counter[str] = Counter()
-    total = 0
-    for line in text.splitlines():
-        stack, _, n_text = line.rpartition(" ")
-        if not stack or not n_text.isdigit():
-            continue
-        n = int(n_text)
-        total += n
+    for stack, n in rows:
         # "thread (TID): NAME;frame;frame": worker threads are NAME_0, NAME_1, ...
         first, _, rest = stack.partition(";")
         threads[first.split(": ", 1)[-1].rstrip("0123456789").rstrip("_")] += n
         frames[frame_name(stack.rsplit(";", 1)[-1]) if rest else first] += n
-    if not total:
-        return {"seconds": seconds, "samples": 0, "threads": [], "functions": []}
-
-    def share(c: Counter[str]) -> list[tuple[str, float]]:
-        return [(k, round(100 * n / total, 1)) for k, n in c.most_common(TOP)]
 
     return {
         "seconds": seconds,
         "samples": total,
-        "threads": share(threads),
-        "functions": share(frames),
+        "threads": _shares(threads, total, TOP),
+        "functions": _shares(frames, total, TOP),
     }
 
 
