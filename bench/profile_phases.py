@@ -125,10 +125,10 @@ def record(pid: int, seconds: float, out: Path, drive: Callable[[], object]) -> 
 def gil_holders(pid: int, seconds: float, out: Path) -> dict[str, Any]:
     """What holds the GIL in `pid` for the next `seconds` (the caller keeps it loaded).
 
-    `py-spy record --gil --threads` keeps only the samples of the thread holding it, so each
-    share is the fraction of the time one thread (or one function, its own frame) kept every
-    other thread, the event loop among them, from running Python. By thread name (numbered
-    workers merged) and by the innermost frame."""
+    `py-spy record --gil --threads` samples only the thread holding it (and nothing while no
+    thread does), so each share is the part of the GIL-held time in which one thread (or one
+    function, its own frame) kept every other thread, the event loop among them, from
+    running Python. By thread name (numbered workers merged) and by the innermost frame."""
     spy = ensure_py_spy()
     if isinstance(spy, str):
         return {"skipped": spy}
@@ -157,7 +157,6 @@ def summarise_gil(text: str, seconds: float) -> dict[str, Any]:
         first, _, rest = stack.partition(";")
         threads[first.split(": ", 1)[-1].rstrip("0123456789").rstrip("_")] += n
         frames[frame_name(stack.rsplit(";", 1)[-1]) if rest else first] += n
-
     return {
         "seconds": seconds,
         "samples": total,

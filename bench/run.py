@@ -84,7 +84,8 @@ PHASES = ("comparison", "policy", "profile", "instructions", "budget", "long", "
           "decision", "mixed", "memory")  # fmt: skip
 # Small requests per second in the mixed phase when the comparison did not run this time.
 MIXED_DEFAULT_RPS = 1200.0
-# py-spy --gil after the mixed phase: 800 samples at its 200 Hz.
+# py-spy --gil after the mixed phase: at most 800 samples at its 200 Hz (none while no
+# thread holds the GIL).
 GIL_SECONDS = 4.0
 
 PROFILES = {
