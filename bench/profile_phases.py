@@ -106,9 +106,12 @@ def summarise(collapsed_text: str, top: int) -> dict[str, Any]:
     }
 
 
-def record(pid: int, seconds: float, out: Path, drive: Callable[[], object]) -> str:
-    """Sample `pid` with py-spy while `drive()` runs; the collapsed stacks as text."""
-    cmd = [str(PY_SPY), "record", "--format", "raw", "--rate", "200", "--nonblocking"]
+def record(
+    pid: int, seconds: float, out: Path, drive: Callable[[], object], extra: Sequence[str] = ()
+) -> str:
+    """Sample `pid` with py-spy while `drive()` runs; the collapsed stacks as text.
+    `extra`: more `py-spy record` flags."""
+    cmd = [str(PY_SPY), "record", "--format", "raw", "--rate", "200", "--nonblocking", *extra]
     cmd += ["-d", str(max(1, round(seconds))), "-o", str(out), "-p", str(pid)]
     spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -132,16 +135,8 @@ def gil_holders(pid: int, seconds: float, out: Path) -> dict[str, Any]:
     spy = ensure_py_spy()
     if isinstance(spy, str):
         return {"skipped": spy}
-    cmd = [str(spy), "record", "--format", "raw", "--rate", "200", "--nonblocking", "--gil"]
-    cmd += ["--threads", "-d", str(max(1, round(seconds))), "-o", str(out), "-p", str(pid)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        proc.wait(seconds + 30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    return summarise_gil(out.read_text() if out.exists() else "", seconds)
+    text = record(pid, seconds, out, lambda: None, extra=("--gil", "--threads"))
+    return summarise_gil(text, seconds)
 
 
 def summarise_gil(text: str, seconds: float) -> dict[str, Any]:

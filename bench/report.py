@@ -61,19 +61,19 @@ def paired_ratio(r: Results, section: str, key: str) -> float | None:
     after the other in the first three rounds), so its ratio cancels what the shared machine
     did to both then; the median keeps one disturbed round (seen here: one round of five
     reading 1.7x when the others read 1.2-1.4x) from moving the figure."""
-    vals = [v for v in _get(r, "round_ratios", section) or [] if isinstance(v, int | float)]
+    vals = _round_ratios(r, section)
     if vals:
         return float(statistics.median(vals))
     return _ratio(_get(r, section, "kvproxy", key), _get(r, section, "bare", key))
 
 
+def _round_ratios(r: Results, section: str) -> list[float]:
+    """kvproxy/bare per round of the comparison, as the run noted them (`Bench.round_ratios`)."""
+    return [v for v in _get(r, "round_ratios", section) or [] if isinstance(v, int | float)]
+
+
 def small_cpu(r: Results, target: str) -> float | None:
     v = _get(r, "small_chat", target, "cpu_us_per_req")
-    return float(v) if isinstance(v, int | float) else None
-
-
-def sse_cpu(r: Results, target: str) -> float | None:
-    v = _get(r, "sse", target, "cpu_us_per_chunk")
     return float(v) if isinstance(v, int | float) else None
 
 
@@ -384,7 +384,7 @@ def _ratios(r: Results, section: str, key: str) -> str:
 def noise(r: Results, section: str) -> tuple[list[float], float] | None:
     """kvproxy/bare per round of the comparison and their spread, (max - min) / median: the
     run's own noise on that ratio. None with fewer than two rounds."""
-    vals = [v for v in _get(r, "round_ratios", section) or [] if isinstance(v, int | float)]
+    vals = _round_ratios(r, section)
     if len(vals) < 2:
         return None
     mid = statistics.median(vals)
