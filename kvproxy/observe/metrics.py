@@ -11,7 +11,8 @@ one process without colliding.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any, Self, get_args
+from dataclasses import dataclass
+from typing import Any, Literal, Self, get_args
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
@@ -185,380 +186,544 @@ class Histogram(_CachedLabels, prometheus_client.Histogram):
             self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
 
 
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One exported metric family: the `Metrics` attribute that holds it, its Prometheus
+    type, name, label names, help text and (histograms) bucket bounds."""
+
+    attr: str
+    kind: MetricKind
+    name: str
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] | None = None
+    # False: prometheus_client's own class, for a family whose series are removed (a cached
+    # child would outlive its removal, `_CachedLabels`).
+    cached: bool = True
+
+
+# Every family, in registration (and so exposition) order.
+FAMILIES: tuple[Family, ...] = (
+    # --- requests ---------------------------------------------------------------------
+    # `route` is bounded: a counted route's name (kvproxy.prompt.parse.Route), "passthrough" or
+    # "refused" (kvproxy.policy.routes.RouteMatch.label); never a path.
+    Family(
+        "requests_total",
+        "counter",
+        "kvproxy_requests_total",
+        ("route", "decision", "model"),
+        "Requests handled, by route, admission decision and model.",
+    ),
+    Family(
+        "responses_total",
+        "counter",
+        "kvproxy_responses_total",
+        ("route", "status"),
+        "Responses sent to clients, by route and HTTP status code.",
+    ),
+    Family(
+        "request_duration",
+        "histogram",
+        "kvproxy_request_duration_seconds",
+        ("route",),
+        "Time from request start to the end of the response (or of the drain).",
+        buckets=LONG_SECONDS,
+    ),
+    # One definition of "what the sidecar adds" (the serve handler and relay observe it).
+    Family(
+        "overhead",
+        "histogram",
+        "kvproxy_overhead_seconds",
+        ("route", "decision", "phase"),
+        "Time kvproxy itself adds, by route, decision and phase: phase=request from the "
+        "request body's arrival to the request handed to the upstream client (or the "
+        "refusal), less any wait for in-flight budget; phase=chunk, once per response, the "
+        "mean time from a response chunk's arrival to its write to the client.",
+        buckets=OVERHEAD_SECONDS,
+    ),
+    Family(
+        "upstream_ttft",
+        "histogram",
+        "kvproxy_upstream_ttft_seconds",
+        (),
+        "Time from forwarding a request to its first generated output (event streams, whatever "
+        "field carries it) or to the first body byte (anything else).",
+        buckets=LONG_SECONDS,
+    ),
+    Family(
+        "inflight",
+        "gauge",
+        "kvproxy_inflight_requests",
+        (),
+        "Requests currently being handled, deferred cancellations included.",
+    ),
+    # Overload shedding (kvproxy.serve.overload).
+    Family(
+        "overload_shed",
+        "counter",
+        "kvproxy_overload_shed_total",
+        ("resource", "action"),
+        "Requests or connections shed at the door (503 overloaded, or a connection dropped "
+        "at accept), by the resource that ran out and the action.",
+    ),
+    Family(
+        "public_connections",
+        "gauge",
+        "kvproxy_public_connections",
+        (),
+        "Public (client) connections open now.",
+    ),
+    Family(
+        "public_connections_limit",
+        "gauge",
+        "kvproxy_public_connections_limit",
+        (),
+        "Public connections served at once; more are answered 503 overloaded.",
+    ),
+    Family(
+        "body_memory_bytes",
+        "gauge",
+        "kvproxy_body_memory_bytes",
+        (),
+        "Bytes of request bodies being read or counted now (reserved).",
+    ),
+    Family(
+        "body_memory_limit_bytes",
+        "gauge",
+        "kvproxy_body_memory_limit_bytes",
+        (),
+        "Bytes of request bodies that may be read or counted at once.",
+    ),
+    Family(
+        "upstream_errors",
+        "counter",
+        "kvproxy_upstream_errors_total",
+        ("outcome",),
+        "Upstream failures, by kvproxy outcome.",
+    ),
+    Family(
+        "client_disconnects",
+        "counter",
+        "kvproxy_client_disconnects_total",
+        ("phase", "upstream"),
+        "Clients that went away before their response ended, by phase and upstream cluster.",
+    ),
+    Family(
+        "event_loop_lag",
+        "histogram",
+        "kvproxy_event_loop_lag_seconds",
+        (),
+        "How late the event loop ran a timer scheduled for now (stalls show here).",
+        buckets=LOOP_LAG_SECONDS,
+    ),
+    Family(
+        "event_loop_lag_max",
+        "gauge",
+        "kvproxy_event_loop_lag_max_seconds",
+        (),
+        "Largest event-loop lag seen since start.",
+    ),
+    Family(
+        "event_loop_tasks",
+        "gauge",
+        "kvproxy_event_loop_tasks",
+        (),
+        "Tasks alive on the event loop (back to its idle level when traffic ends).",
+    ),
+    # --- capacity ---------------------------------------------------------------------
+    Family(
+        "pool_capacity",
+        "gauge",
+        "kvproxy_pool_capacity_tokens",
+        ("engine", "role", "source", "model"),
+        "KV-cache pool each engine reports having allocated (model: the model it serves).",
+    ),
+    Family(
+        "engine_input_limit",
+        "gauge",
+        "kvproxy_engine_input_limit_tokens",
+        ("engine", "role", "source", "model"),
+        "Largest prompt each engine accepts, derived from its runtime report.",
+    ),
+    Family(
+        "admission_limit",
+        "gauge",
+        "kvproxy_admission_limit_tokens",
+        ("model",),
+        "Largest prompt admitted with at least one output token (inclusive; the published "
+        "limit, kvproxy.capacity.limits), by model; 0 while capacity is unknown.",
+    ),
+    Family(
+        "decode_limit",
+        "gauge",
+        "kvproxy_decode_limit_tokens",
+        ("model",),
+        "Largest prompt + output the engines serve in full, neither refused nor cut "
+        "(inclusive), by model; 0 while unknown.",
+    ),
+    Family(
+        "declared_context",
+        "gauge",
+        "kvproxy_declared_context_tokens",
+        ("model",),
+        "Context length declared in configuration (max_context), by model; 0 if unset.",
+    ),
+    Family(
+        "capacity_known",
+        "gauge",
+        "kvproxy_capacity_known",
+        ("model",),
+        "1 when every engine of the model has a fresh measurement, else 0.",
+    ),
+    Family(
+        "capacity_last_success",
+        "gauge",
+        "kvproxy_capacity_last_success_timestamp_seconds",
+        ("engine",),
+        "Unix time of each engine's last successful capacity probe.",
+    ),
+    Family(
+        "capacity_probe_errors",
+        "counter",
+        "kvproxy_capacity_probe_errors_total",
+        ("engine", "reason"),
+        "Failed capacity probes, by engine and reason.",
+    ),
+    # --- engine posture (kvproxy.posture) ---------------------------------------------
+    # Labels: configured/discovered engines x advisory ids of the loaded table and the
+    # builtin pair checks (both bounded).
+    Family(
+        "engine_advisory",
+        "gauge",
+        "kvproxy_engine_advisory",
+        ("engine", "advisory"),
+        "1 while an advisory or pair check applies to the engine and is not accepted; "
+        "0 while it applies and the operator accepted it (accept_advisories).",
+    ),
+    Family(
+        "engine_transfer_failures",
+        "gauge",
+        "kvproxy_engine_transfer_failures",
+        ("engine", "kind"),
+        "The engine's own failure counter as last probed (kind=transfer: "
+        "sglang:num_transfer_failed_reqs_total, which a KV checksum mismatch increments; "
+        "kind=bootstrap: sglang:num_bootstrap_failed_reqs_total). Use increase().",
+    ),
+    # --- admission --------------------------------------------------------------------
+    Family(
+        "rejections",
+        "counter",
+        "kvproxy_rejections_total",
+        ("reason", "model"),
+        "Requests refused before reaching the router, by reason and model.",
+    ),
+    Family(
+        "prompt_tokens",
+        "histogram",
+        "kvproxy_prompt_tokens",
+        ("method", "model"),
+        "Prompt tokens used for the decision (a bound or an exact count), by method and model.",
+        buckets=TOKEN_BUCKETS,
+    ),
+    Family(
+        "admission_duration",
+        "histogram",
+        "kvproxy_admission_duration_seconds",
+        ("method",),
+        "Time to decide admission, by counting method.",
+        buckets=DECISION_SECONDS,
+    ),
+    Family(
+        "token_count_drift",
+        "histogram",
+        "kvproxy_token_count_drift",
+        (),
+        "Engine-reported usage.prompt_tokens minus kvproxy's count (exact counts only).",
+        buckets=DRIFT_BUCKETS,
+    ),
+    Family(
+        "tokenizer_backend",
+        "gauge",
+        "kvproxy_tokenizer_backend",
+        ("backend",),
+        "1 for the library that counts prompt tokens exactly (fastokens only once it "
+        "agreed with HF tokenizers at start-up), 0 for the others.",
+    ),
+    Family(
+        "unverified_features",
+        "counter",
+        "kvproxy_unverified_features_total",
+        ("feature", "model"),
+        "Requests whose exact count was withheld because they use a request feature not "
+        "verified for the engines and router in front (decided by the bound instead), "
+        "by feature (a closed vocabulary, kvproxy.tokens.features) and model.",
+    ),
+    Family(
+        "token_bound_exceeded",
+        "counter",
+        "kvproxy_token_bound_exceeded_total",
+        ("model",),
+        "Responses whose usage.prompt_tokens exceeded kvproxy's count or bound "
+        "(the model's configured tokenizer does not match it), by model.",
+    ),
+    # --- deferred cancellation and budget ---------------------------------------------
+    Family(
+        "deferred_total",
+        "counter",
+        "kvproxy_deferred_cancellations_total",
+        ("outcome", "upstream"),
+        "Upstream closes deferred after a client disconnect, by outcome and upstream cluster.",
+    ),
+    Family(
+        "deferred_duration",
+        "histogram",
+        "kvproxy_deferred_cancellation_duration_seconds",
+        ("outcome", "upstream"),
+        "Time an upstream was kept open after its client left, by outcome and upstream cluster.",
+        buckets=DEFERRED_SECONDS,
+    ),
+    Family(
+        "deferred_in_progress",
+        "gauge",
+        "kvproxy_deferred_cancellations_in_progress",
+        ("upstream",),
+        "Upstreams currently kept open for a client that has gone, by upstream cluster.",
+    ),
+    Family(
+        "discarded_tokens",
+        "counter",
+        "kvproxy_discarded_tokens_total",
+        (),
+        "Generated-token chunks read from upstream and discarded after a disconnect.",
+    ),
+    Family(
+        "budget_tokens_in_use",
+        "gauge",
+        "kvproxy_inflight_prompt_tokens",
+        ("model",),
+        "Prompt tokens held by requests whose upstream is still open, by model.",
+    ),
+    Family(
+        "budget_tokens_limit",
+        "gauge",
+        "kvproxy_inflight_prompt_tokens_limit",
+        ("model",),
+        "Configured in-flight prompt-token budget, by model (0 = unlimited).",
+    ),
+    Family(
+        "queue_depth",
+        "gauge",
+        "kvproxy_queue_depth",
+        ("model",),
+        "Requests waiting for in-flight budget, by model.",
+    ),
+    Family(
+        "queue_wait",
+        "histogram",
+        "kvproxy_queue_wait_seconds",
+        (),
+        "Time admitted requests waited for in-flight budget.",
+        buckets=QUEUE_SECONDS,
+    ),
+    # --- the cluster budget on Redis (budget_backend: redis) ----------------------------
+    Family(
+        "budget_cluster_tokens",
+        "gauge",
+        "kvproxy_budget_cluster_prompt_tokens",
+        ("model",),
+        "Prompt tokens held by every replica sharing the model's Redis budget, as last seen.",
+    ),
+    Family(
+        "budget_lease_renewals",
+        "counter",
+        "kvproxy_budget_lease_renewals_total",
+        (),
+        "Redis budget leases this replica renewed (its requests are still upstream).",
+    ),
+    Family(
+        "budget_lease_expiries",
+        "counter",
+        "kvproxy_budget_lease_expiries_total",
+        (),
+        "Expired Redis budget leases reclaimed (a replica died or lost Redis too long).",
+    ),
+    Family(
+        "budget_leases_reasserted",
+        "counter",
+        "kvproxy_budget_leases_reasserted_total",
+        (),
+        "Live leases put back after Redis had lost them (restart, long outage), or "
+        "local-share leases registered when Redis returned.",
+    ),
+    Family(
+        "budget_redis_rtt",
+        "histogram",
+        "kvproxy_budget_redis_rtt_seconds",
+        (),
+        "Round-trip time of the budget's Redis calls.",
+        buckets=REDIS_SECONDS,
+    ),
+    Family(
+        "budget_fallbacks",
+        "counter",
+        "kvproxy_budget_backend_fallbacks_total",
+        ("policy",),
+        "Switches to the redis_unavailable policy, by policy.",
+    ),
+    Family(
+        "budget_degraded",
+        "gauge",
+        "kvproxy_budget_backend_degraded",
+        (),
+        "1 while Redis is unavailable and the redis_unavailable policy applies.",
+    ),
+    # --- gateway mode: a model's upstream clusters (kvproxy.policy.routing) -------------
+    # `upstream` is a configured cluster's name (the implicit one: "default"), never a
+    # value from a request: the label set is bounded by the config.
+    Family(
+        "routing_decisions",
+        "counter",
+        "kvproxy_routing_decisions_total",
+        ("model", "upstream", "reason"),
+        "Requests sent to an upstream cluster, by model, cluster and why it was picked "
+        "(fit: least load among the clusters that hold it; affinity: the affinity "
+        "header's cluster; retry: moved after a connect failure).",
+    ),
+    Family(
+        "upstream_ejections",
+        "counter",
+        "kvproxy_upstream_ejections_total",
+        ("model", "upstream", "cause"),
+        "Passive ejections of an upstream cluster, by model, cluster and cause (connect: "
+        "its router refused or dropped the connection before any byte was sent; "
+        "status_5xx: it answered 5xx).",
+    ),
+    Family(
+        "upstream_ejected",
+        "gauge",
+        "kvproxy_upstream_ejected",
+        ("model", "upstream"),
+        "1 while the upstream cluster is ejected (passive health back-off), else 0.",
+    ),
+    Family(
+        "upstream_inflight_tokens",
+        "gauge",
+        "kvproxy_upstream_inflight_prompt_tokens",
+        ("model", "upstream"),
+        "Prompt tokens held by requests whose upstream is open, by model and cluster.",
+    ),
+    # Uncached children: the series is removed while the cluster is unmeasured, and a
+    # cached child would outlive its removal (`_CachedLabels`).
+    Family(
+        "upstream_limit",
+        "gauge",
+        "kvproxy_upstream_limit_tokens",
+        ("model", "upstream"),
+        "The cluster's published limit (largest prompt admitted with one output token); "
+        "absent while the cluster is unmeasured.",
+        cached=False,
+    ),
+    Family(
+        "upstream_capacity_known",
+        "gauge",
+        "kvproxy_upstream_capacity_known",
+        ("model", "upstream"),
+        "1 while every engine of the cluster has a fresh measurement, else 0.",
+    ),
+    # --- isolation --------------------------------------------------------------------
+    Family(
+        "canary_violations",
+        "counter",
+        "kvproxy_canary_violations_total",
+        ("tenant",),
+        "Responses to a tenant that carried another tenant's canary marker.",
+    ),
+)
+
+_CLASSES: dict[tuple[MetricKind, bool], Any] = {
+    ("counter", True): Counter,
+    ("gauge", True): Gauge,
+    ("histogram", True): Histogram,
+    ("counter", False): prometheus_client.Counter,
+    ("gauge", False): prometheus_client.Gauge,
+    ("histogram", False): prometheus_client.Histogram,
+}
+
+
+def build(family: Family, registry: CollectorRegistry) -> Any:
+    """The family's metric, registered in `registry`."""
+    cls = _CLASSES[family.kind, family.cached]
+    if family.buckets is None:
+        return cls(family.name, family.help, family.labels, registry=registry)
+    return cls(family.name, family.help, family.labels, buckets=family.buckets, registry=registry)
+
+
 class Metrics:
+    """Each family of `FAMILIES` as the attribute it names."""
+
+    requests_total: Counter
+    responses_total: Counter
+    request_duration: Histogram
+    overhead: Histogram
+    upstream_ttft: Histogram
+    inflight: Gauge
+    overload_shed: Counter
+    public_connections: Gauge
+    public_connections_limit: Gauge
+    body_memory_bytes: Gauge
+    body_memory_limit_bytes: Gauge
+    upstream_errors: Counter
+    client_disconnects: Counter
+    event_loop_lag: Histogram
+    event_loop_lag_max: Gauge
+    event_loop_tasks: Gauge
+    pool_capacity: Gauge
+    engine_input_limit: Gauge
+    admission_limit: Gauge
+    decode_limit: Gauge
+    declared_context: Gauge
+    capacity_known: Gauge
+    capacity_last_success: Gauge
+    capacity_probe_errors: Counter
+    engine_advisory: Gauge
+    engine_transfer_failures: Gauge
+    rejections: Counter
+    prompt_tokens: Histogram
+    admission_duration: Histogram
+    token_count_drift: Histogram
+    tokenizer_backend: Gauge
+    unverified_features: Counter
+    token_bound_exceeded: Counter
+    deferred_total: Counter
+    deferred_duration: Histogram
+    deferred_in_progress: Gauge
+    discarded_tokens: Counter
+    budget_tokens_in_use: Gauge
+    budget_tokens_limit: Gauge
+    queue_depth: Gauge
+    queue_wait: Histogram
+    budget_cluster_tokens: Gauge
+    budget_lease_renewals: Counter
+    budget_lease_expiries: Counter
+    budget_leases_reasserted: Counter
+    budget_redis_rtt: Histogram
+    budget_fallbacks: Counter
+    budget_degraded: Gauge
+    routing_decisions: Counter
+    upstream_ejections: Counter
+    upstream_ejected: Gauge
+    upstream_inflight_tokens: Gauge
+    upstream_limit: prometheus_client.Gauge
+    upstream_capacity_known: Gauge
+    canary_violations: Counter
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-
-        # --- requests ---------------------------------------------------------------------
-        # `route` is bounded: a counted route's name (kvproxy.prompt.parse.Route), "passthrough" or
-        # "refused" (kvproxy.policy.routes.RouteMatch.label); never a path.
-        self.requests_total = Counter(
-            "kvproxy_requests_total",
-            "Requests handled, by route, admission decision and model.",
-            ["route", "decision", "model"],
-            registry=r,
-        )
-        self.responses_total = Counter(
-            "kvproxy_responses_total",
-            "Responses sent to clients, by route and HTTP status code.",
-            ["route", "status"],
-            registry=r,
-        )
-        self.request_duration = Histogram(
-            "kvproxy_request_duration_seconds",
-            "Time from request start to the end of the response (or of the drain).",
-            ["route"],
-            buckets=LONG_SECONDS,
-            registry=r,
-        )
-        # One definition of "what the sidecar adds" (the serve handler and relay observe it).
-        self.overhead = Histogram(
-            "kvproxy_overhead_seconds",
-            "Time kvproxy itself adds, by route, decision and phase: phase=request from the "
-            "request body's arrival to the request handed to the upstream client (or the "
-            "refusal), less any wait for in-flight budget; phase=chunk, once per response, the "
-            "mean time from a response chunk's arrival to its write to the client.",
-            ["route", "decision", "phase"],
-            buckets=OVERHEAD_SECONDS,
-            registry=r,
-        )
-        self.upstream_ttft = Histogram(
-            "kvproxy_upstream_ttft_seconds",
-            "Time from forwarding a request to its first generated output (event streams, whatever "
-            "field carries it) or to the first body byte (anything else).",
-            buckets=LONG_SECONDS,
-            registry=r,
-        )
-        self.inflight = Gauge(
-            "kvproxy_inflight_requests",
-            "Requests currently being handled, deferred cancellations included.",
-            registry=r,
-        )
-        # Overload shedding (kvproxy.serve.overload).
-        self.overload_shed = Counter(
-            "kvproxy_overload_shed_total",
-            "Requests or connections shed at the door (503 overloaded, or a connection dropped "
-            "at accept), by the resource that ran out and the action.",
-            ["resource", "action"],
-            registry=r,
-        )
-        self.public_connections = Gauge(
-            "kvproxy_public_connections",
-            "Public (client) connections open now.",
-            registry=r,
-        )
-        self.public_connections_limit = Gauge(
-            "kvproxy_public_connections_limit",
-            "Public connections served at once; more are answered 503 overloaded.",
-            registry=r,
-        )
-        self.body_memory_bytes = Gauge(
-            "kvproxy_body_memory_bytes",
-            "Bytes of request bodies being read or counted now (reserved).",
-            registry=r,
-        )
-        self.body_memory_limit_bytes = Gauge(
-            "kvproxy_body_memory_limit_bytes",
-            "Bytes of request bodies that may be read or counted at once.",
-            registry=r,
-        )
-        self.upstream_errors = Counter(
-            "kvproxy_upstream_errors_total",
-            "Upstream failures, by kvproxy outcome.",
-            ["outcome"],
-            registry=r,
-        )
-        self.client_disconnects = Counter(
-            "kvproxy_client_disconnects_total",
-            "Clients that went away before their response ended, by phase and upstream cluster.",
-            ["phase", "upstream"],
-            registry=r,
-        )
-        self.event_loop_lag = Histogram(
-            "kvproxy_event_loop_lag_seconds",
-            "How late the event loop ran a timer scheduled for now (stalls show here).",
-            buckets=LOOP_LAG_SECONDS,
-            registry=r,
-        )
-        self.event_loop_lag_max = Gauge(
-            "kvproxy_event_loop_lag_max_seconds",
-            "Largest event-loop lag seen since start.",
-            registry=r,
-        )
-        self.event_loop_tasks = Gauge(
-            "kvproxy_event_loop_tasks",
-            "Tasks alive on the event loop (back to its idle level when traffic ends).",
-            registry=r,
-        )
-
-        # --- capacity ---------------------------------------------------------------------
-        self.pool_capacity = Gauge(
-            "kvproxy_pool_capacity_tokens",
-            "KV-cache pool each engine reports having allocated (model: the model it serves).",
-            ["engine", "role", "source", "model"],
-            registry=r,
-        )
-        self.engine_input_limit = Gauge(
-            "kvproxy_engine_input_limit_tokens",
-            "Largest prompt each engine accepts, derived from its runtime report.",
-            ["engine", "role", "source", "model"],
-            registry=r,
-        )
-        self.admission_limit = Gauge(
-            "kvproxy_admission_limit_tokens",
-            "Largest prompt admitted with at least one output token (inclusive; the published "
-            "limit, kvproxy.capacity.limits), by model; 0 while capacity is unknown.",
-            ["model"],
-            registry=r,
-        )
-        self.decode_limit = Gauge(
-            "kvproxy_decode_limit_tokens",
-            "Largest prompt + output the engines serve in full, neither refused nor cut "
-            "(inclusive), by model; 0 while unknown.",
-            ["model"],
-            registry=r,
-        )
-        self.declared_context = Gauge(
-            "kvproxy_declared_context_tokens",
-            "Context length declared in configuration (max_context), by model; 0 if unset.",
-            ["model"],
-            registry=r,
-        )
-        self.capacity_known = Gauge(
-            "kvproxy_capacity_known",
-            "1 when every engine of the model has a fresh measurement, else 0.",
-            ["model"],
-            registry=r,
-        )
-        self.capacity_last_success = Gauge(
-            "kvproxy_capacity_last_success_timestamp_seconds",
-            "Unix time of each engine's last successful capacity probe.",
-            ["engine"],
-            registry=r,
-        )
-        self.capacity_probe_errors = Counter(
-            "kvproxy_capacity_probe_errors_total",
-            "Failed capacity probes, by engine and reason.",
-            ["engine", "reason"],
-            registry=r,
-        )
-
-        # --- engine posture (kvproxy.posture) ---------------------------------------------
-        # Labels: configured/discovered engines x advisory ids of the loaded table and the
-        # builtin pair checks (both bounded).
-        self.engine_advisory = Gauge(
-            "kvproxy_engine_advisory",
-            "1 while an advisory or pair check applies to the engine and is not accepted; "
-            "0 while it applies and the operator accepted it (accept_advisories).",
-            ["engine", "advisory"],
-            registry=r,
-        )
-        self.engine_transfer_failures = Gauge(
-            "kvproxy_engine_transfer_failures",
-            "The engine's own failure counter as last probed (kind=transfer: "
-            "sglang:num_transfer_failed_reqs_total, which a KV checksum mismatch increments; "
-            "kind=bootstrap: sglang:num_bootstrap_failed_reqs_total). Use increase().",
-            ["engine", "kind"],
-            registry=r,
-        )
-
-        # --- admission --------------------------------------------------------------------
-        self.rejections = Counter(
-            "kvproxy_rejections_total",
-            "Requests refused before reaching the router, by reason and model.",
-            ["reason", "model"],
-            registry=r,
-        )
-        self.prompt_tokens = Histogram(
-            "kvproxy_prompt_tokens",
-            "Prompt tokens used for the decision (a bound or an exact count), by method and model.",
-            ["method", "model"],
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.admission_duration = Histogram(
-            "kvproxy_admission_duration_seconds",
-            "Time to decide admission, by counting method.",
-            ["method"],
-            buckets=DECISION_SECONDS,
-            registry=r,
-        )
-        self.token_count_drift = Histogram(
-            "kvproxy_token_count_drift",
-            "Engine-reported usage.prompt_tokens minus kvproxy's count (exact counts only).",
-            buckets=DRIFT_BUCKETS,
-            registry=r,
-        )
-        self.tokenizer_backend = Gauge(
-            "kvproxy_tokenizer_backend",
-            "1 for the library that counts prompt tokens exactly (fastokens only once it "
-            "agreed with HF tokenizers at start-up), 0 for the others.",
-            ["backend"],
-            registry=r,
-        )
-        self.unverified_features = Counter(
-            "kvproxy_unverified_features_total",
-            "Requests whose exact count was withheld because they use a request feature not "
-            "verified for the engines and router in front (decided by the bound instead), "
-            "by feature (a closed vocabulary, kvproxy.tokens.features) and model.",
-            ["feature", "model"],
-            registry=r,
-        )
-        self.token_bound_exceeded = Counter(
-            "kvproxy_token_bound_exceeded_total",
-            "Responses whose usage.prompt_tokens exceeded kvproxy's count or bound "
-            "(the model's configured tokenizer does not match it), by model.",
-            ["model"],
-            registry=r,
-        )
-
-        # --- deferred cancellation and budget ---------------------------------------------
-        self.deferred_total = Counter(
-            "kvproxy_deferred_cancellations_total",
-            "Upstream closes deferred after a client disconnect, by outcome and upstream cluster.",
-            ["outcome", "upstream"],
-            registry=r,
-        )
-        self.deferred_duration = Histogram(
-            "kvproxy_deferred_cancellation_duration_seconds",
-            "Time an upstream was kept open after its client left, by outcome and upstream "
-            "cluster.",
-            ["outcome", "upstream"],
-            buckets=DEFERRED_SECONDS,
-            registry=r,
-        )
-        self.deferred_in_progress = Gauge(
-            "kvproxy_deferred_cancellations_in_progress",
-            "Upstreams currently kept open for a client that has gone, by upstream cluster.",
-            ["upstream"],
-            registry=r,
-        )
-        self.discarded_tokens = Counter(
-            "kvproxy_discarded_tokens_total",
-            "Generated-token chunks read from upstream and discarded after a disconnect.",
-            registry=r,
-        )
-        self.budget_tokens_in_use = Gauge(
-            "kvproxy_inflight_prompt_tokens",
-            "Prompt tokens held by requests whose upstream is still open, by model.",
-            ["model"],
-            registry=r,
-        )
-        self.budget_tokens_limit = Gauge(
-            "kvproxy_inflight_prompt_tokens_limit",
-            "Configured in-flight prompt-token budget, by model (0 = unlimited).",
-            ["model"],
-            registry=r,
-        )
-        self.queue_depth = Gauge(
-            "kvproxy_queue_depth",
-            "Requests waiting for in-flight budget, by model.",
-            ["model"],
-            registry=r,
-        )
-        self.queue_wait = Histogram(
-            "kvproxy_queue_wait_seconds",
-            "Time admitted requests waited for in-flight budget.",
-            buckets=QUEUE_SECONDS,
-            registry=r,
-        )
-
-        # --- the cluster budget on Redis (budget_backend: redis) ----------------------------
-        self.budget_cluster_tokens = Gauge(
-            "kvproxy_budget_cluster_prompt_tokens",
-            "Prompt tokens held by every replica sharing the model's Redis budget, as last seen.",
-            ["model"],
-            registry=r,
-        )
-        self.budget_lease_renewals = Counter(
-            "kvproxy_budget_lease_renewals_total",
-            "Redis budget leases this replica renewed (its requests are still upstream).",
-            registry=r,
-        )
-        self.budget_lease_expiries = Counter(
-            "kvproxy_budget_lease_expiries_total",
-            "Expired Redis budget leases reclaimed (a replica died or lost Redis too long).",
-            registry=r,
-        )
-        self.budget_leases_reasserted = Counter(
-            "kvproxy_budget_leases_reasserted_total",
-            "Live leases put back after Redis had lost them (restart, long outage), or "
-            "local-share leases registered when Redis returned.",
-            registry=r,
-        )
-        self.budget_redis_rtt = Histogram(
-            "kvproxy_budget_redis_rtt_seconds",
-            "Round-trip time of the budget's Redis calls.",
-            buckets=REDIS_SECONDS,
-            registry=r,
-        )
-        self.budget_fallbacks = Counter(
-            "kvproxy_budget_backend_fallbacks_total",
-            "Switches to the redis_unavailable policy, by policy.",
-            ["policy"],
-            registry=r,
-        )
-        self.budget_degraded = Gauge(
-            "kvproxy_budget_backend_degraded",
-            "1 while Redis is unavailable and the redis_unavailable policy applies.",
-            registry=r,
-        )
-
-        # --- gateway mode: a model's upstream clusters (kvproxy.policy.routing) -------------
-        # `upstream` is a configured cluster's name (the implicit one: "default"), never a
-        # value from a request: the label set is bounded by the config.
-        self.routing_decisions = Counter(
-            "kvproxy_routing_decisions_total",
-            "Requests sent to an upstream cluster, by model, cluster and why it was picked "
-            "(fit: least load among the clusters that hold it; affinity: the affinity "
-            "header's cluster; retry: moved after a connect failure).",
-            ["model", "upstream", "reason"],
-            registry=r,
-        )
-        self.upstream_ejections = Counter(
-            "kvproxy_upstream_ejections_total",
-            "Passive ejections of an upstream cluster, by model, cluster and cause (connect: "
-            "its router refused or dropped the connection before any byte was sent; "
-            "status_5xx: it answered 5xx).",
-            ["model", "upstream", "cause"],
-            registry=r,
-        )
-        self.upstream_ejected = Gauge(
-            "kvproxy_upstream_ejected",
-            "1 while the upstream cluster is ejected (passive health back-off), else 0.",
-            ["model", "upstream"],
-            registry=r,
-        )
-        self.upstream_inflight_tokens = Gauge(
-            "kvproxy_upstream_inflight_prompt_tokens",
-            "Prompt tokens held by requests whose upstream is open, by model and cluster.",
-            ["model", "upstream"],
-            registry=r,
-        )
-        # Uncached children: the series is removed while the cluster is unmeasured, and a
-        # cached child would outlive its removal (`_CachedLabels`).
-        self.upstream_limit = prometheus_client.Gauge(
-            "kvproxy_upstream_limit_tokens",
-            "The cluster's published limit (largest prompt admitted with one output token); "
-            "absent while the cluster is unmeasured.",
-            ["model", "upstream"],
-            registry=r,
-        )
-        self.upstream_capacity_known = Gauge(
-            "kvproxy_upstream_capacity_known",
-            "1 while every engine of the cluster has a fresh measurement, else 0.",
-            ["model", "upstream"],
-            registry=r,
-        )
-
-        # --- isolation --------------------------------------------------------------------
-        self.canary_violations = Counter(
-            "kvproxy_canary_violations_total",
-            "Responses to a tenant that carried another tenant's canary marker.",
-            ["tenant"],
-            registry=r,
-        )
+        for family in FAMILIES:
+            setattr(self, family.attr, build(family, self.registry))
 
         # Pre-create the label sets dashboards and alerts read, so a fresh proxy exports 0
         # rather than nothing (rate() over a missing series is empty, not zero).

@@ -4,9 +4,11 @@ exactly what prometheus_client's own `labels` would."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import prometheus_client
 import pytest
+from metric_contract import contract_text
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvproxy.observe import metrics
@@ -108,3 +110,29 @@ def test_values_are_lock_free_and_export_what_the_library_would() -> None:
         c.inc()
     with pytest.raises(ValueError, match="missing label values"):
         h.observe(1.0)
+
+
+def test_the_exported_families_are_the_contract_fixture() -> None:
+    # Names, types, label names, buckets, help and the pre-created series of a fresh proxy,
+    # byte for byte as before the families became a table (metric_contract.py rewrites it).
+    expected = (Path(__file__).parent / "fixtures" / "metric_families.txt").read_text()
+    assert contract_text() == expected
+
+
+def test_every_family_is_a_typed_attribute_of_its_class() -> None:
+    # The class annotations are what callers (and mypy) see; the table is what is built.
+    annotations = dict(Metrics.__annotations__)
+    assert list(annotations) == [f.attr for f in metrics.FAMILIES]
+    classes = {
+        ("counter", True): ("Counter", metrics.Counter),
+        ("gauge", True): ("Gauge", metrics.Gauge),
+        ("histogram", True): ("Histogram", metrics.Histogram),
+        ("gauge", False): ("prometheus_client.Gauge", prometheus_client.Gauge),
+    }
+    m = Metrics()
+    for family in metrics.FAMILIES:
+        annotation, cls = classes[family.kind, family.cached]
+        assert annotations[family.attr] == annotation
+        built = getattr(m, family.attr)
+        assert type(built) is cls
+        assert built._labelnames == family.labels
