@@ -64,8 +64,8 @@ only declared numbers produced it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from kvproxy.capacity.measurement import BoundBy, EngineMeasurement, Role, Source
 
@@ -269,6 +269,128 @@ def held_context(
     return min(holds, key=lambda h: h[0]) if holds else None
 
 
+@dataclass
+class _Candidates:
+    """Every number that bounds each limit: `admission` (a prompt with no output),
+    `decode` (prompt + output) and `decode_prompt` (the decode side's own input limits)."""
+
+    admission: list[_Candidate] = field(default_factory=list)
+    decode: list[_Candidate] = field(default_factory=list)
+    decode_prompt: list[int] = field(default_factory=list)
+
+    def add_measurement(self, m: EngineMeasurement) -> None:
+        declared = m.source == "declared"
+        if m.role in _ADMISSION_ROLES:
+            self.admission.append(
+                _Candidate(m.input_limit_tokens, m.limit_phrase(), m.engine, declared)
+            )
+        if m.role in _DECODE_ROLES and m.decode_limit_tokens is not None:
+            self.decode.append(
+                _Candidate(m.decode_limit_tokens, m.limit_phrase(), m.engine, declared)
+            )
+            self.decode_prompt.append(m.input_limit_tokens)
+        elif m.role == "prefill" and m.request_limit_tokens is not None:
+            # Prefill's front end checks input + output against its context too.
+            self.decode.append(
+                _Candidate(
+                    m.request_limit_tokens, f"context check of {m.engine}", m.engine, declared
+                )
+            )
+
+    def add_fallbacks(self, unknown: Mapping[str, Role], fallback_limit_tokens: int) -> None:
+        """The configured fallback stands in, declared, for each unmeasured engine."""
+        phrase = "configured fallback limit (KVPROXY_CAPACITY_FALLBACK_LIMIT_TOKENS)"
+        for label, role in unknown.items():
+            fb = _Candidate(
+                fallback_limit_tokens, f"{phrase} for unmeasured {label}", label, True, True
+            )
+            if role in _ADMISSION_ROLES:
+                self.admission.append(fb)
+            if role in _DECODE_ROLES:
+                self.decode.append(fb)
+                self.decode_prompt.append(fallback_limit_tokens)
+
+
+def _source_of(cands: Sequence[_Candidate]) -> Source:
+    # A fallback standing in for a missing measurement makes the whole limit declared: it
+    # is no longer backed by what every engine reported.
+    if any(c.fallback for c in cands) or all(c.declared for c in cands):
+        return "declared"
+    return "measured"
+
+
+def _overpromise_warnings(
+    measurements: Iterable[EngineMeasurement], max_context: int | None, measured_limit: int | None
+) -> list[str]:
+    held = held_context(measurements)
+    if max_context is None or held is None or max_context <= held[0]:
+        return []
+    cap, m = held
+    # The incident's misconfiguration: the declared context promises more than the pool
+    # holds. Both numbers, so operators can act on the line alone.
+    return [
+        f"declared context {max_context:,} (KVPROXY_MAX_CONTEXT) exceeds what "
+        f"{m.engine} holds ({cap:,} tokens: {m.pool_source}); admission uses the "
+        f"measured limit {measured_limit:,}"
+    ]
+
+
+def _published(
+    input_best: _Candidate, input_limit: int, cands: _Candidates, margin_tokens: int
+) -> tuple[int, Source, str, str | None]:
+    """The published limit (module docstring), its source, why and binding engine."""
+    input_why = input_best.phrase + _margin_phrase(margin_tokens)
+    if not cands.decode:
+        return input_limit, _source_of(cands.admission), input_why, input_best.engine
+    decode_best = _pick(cands.decode)
+    decode_limit = max(0, decode_best.tokens - margin_tokens)
+    if decode_limit - 1 >= input_limit:
+        return input_limit, _source_of(cands.admission), input_why, input_best.engine
+    # The decode side binds: its limit is on prompt + output, and a client needs at least
+    # one output token, so one token of it is the output's.
+    published = max(0, decode_limit - 1)
+    why = (
+        f"{decode_best.phrase}{_margin_phrase(margin_tokens)}, which serves prompt + "
+        f"output up to {decode_limit:,}: {published:,} with one output token"
+    )
+    return published, _source_of(cands.decode), why, decode_best.engine
+
+
+def _known_limits(cands: _Candidates, margin_tokens: int, **common: Any) -> Limits:
+    """The limits once every engine has a number (measured, declared or the fallback)."""
+    best = _pick(cands.admission)
+    input_limit = max(0, best.tokens - margin_tokens)
+    published, source, why, binding = _published(best, input_limit, cands, margin_tokens)
+    decode_best = _pick(cands.decode) if cands.decode else None
+    if decode_best is None:
+        decode_limit = None
+        decode_why = "no decode or unified engine is configured: the decode budget is not checked"
+    else:
+        decode_limit = max(0, decode_best.tokens - margin_tokens)
+        decode_why = decode_best.phrase + _margin_phrase(margin_tokens)
+    return Limits(
+        admission_limit_tokens=published,
+        decode_limit_tokens=decode_limit,
+        source=source,
+        known=True,
+        why=why,
+        binding_engine=binding,
+        input_limit_tokens=input_limit,
+        input_source=_source_of(cands.admission),
+        input_why=best.phrase + _margin_phrase(margin_tokens),
+        decode_source=_source_of(cands.decode) if cands.decode else "measured",
+        decode_why=decode_why,
+        decode_binding_engine=decode_best.engine if decode_best is not None else None,
+        decode_prompt_limit_tokens=(
+            max(0, min(cands.decode_prompt) - margin_tokens)
+            if cands.decode_prompt and decode_best
+            else None
+        ),
+        margin_tokens=margin_tokens,
+        **common,
+    )
+
+
 def derive_limits(
     measurements: Iterable[EngineMeasurement],
     *,
@@ -285,135 +407,32 @@ def derive_limits(
     """
     unknown = dict(unknown or {})
     measurements = list(measurements)
-    adm: list[_Candidate] = []
-    dec: list[_Candidate] = []
-    dec_prompt: list[int] = []
+    cands = _Candidates()
     for m in measurements:
-        declared = m.source == "declared"
-        if m.role in _ADMISSION_ROLES:
-            adm.append(_Candidate(m.input_limit_tokens, m.limit_phrase(), m.engine, declared))
-        if m.role in _DECODE_ROLES and m.decode_limit_tokens is not None:
-            dec.append(_Candidate(m.decode_limit_tokens, m.limit_phrase(), m.engine, declared))
-            dec_prompt.append(m.input_limit_tokens)
-        elif m.role == "prefill" and m.request_limit_tokens is not None:
-            # Prefill's front end checks input + output against its context too.
-            dec.append(
-                _Candidate(
-                    m.request_limit_tokens, f"context check of {m.engine}", m.engine, declared
-                )
-            )
-
-    measured = [c for c in adm if not c.declared]
+        cands.add_measurement(m)
+    measured = [c for c in cands.admission if not c.declared]
     measured_best = _pick(measured) if measured else None
     measured_limit = measured_best.tokens if measured_best is not None else None
-    measured_why = measured_best.phrase if measured_best is not None else ""
-    warnings: list[str] = []
-    held = held_context(measurements)
-    if max_context is not None and held is not None:
-        cap, m = held
-        if max_context > cap:
-            # The incident's misconfiguration: the declared context promises more than
-            # the pool holds. Both numbers, so operators can act on the line alone.
-            warnings.append(
-                f"declared context {max_context:,} (KVPROXY_MAX_CONTEXT) exceeds what "
-                f"{m.engine} holds ({cap:,} tokens: {m.pool_source}); admission uses the "
-                f"measured limit {measured_limit:,}"
-            )
-
-    unknown_labels = tuple(sorted(unknown))
+    common: dict[str, Any] = {
+        "declared_context": max_context,
+        "measured_limit_tokens": measured_limit,
+        "measured_why": measured_best.phrase if measured_best is not None else "",
+        "unknown_engines": tuple(sorted(unknown)),
+        "warnings": tuple(_overpromise_warnings(measurements, max_context, measured_limit)),
+    }
     if unknown and fallback_limit_tokens is None:
-        return Limits(
-            None,
-            None,
-            "measured",
-            False,
-            f"no fresh capacity measurement of {', '.join(unknown_labels)}",
-            declared_context=max_context,
-            measured_limit_tokens=measured_limit,
-            measured_why=measured_why,
-            margin_tokens=margin_tokens,
-            unknown_engines=unknown_labels,
-            warnings=tuple(warnings),
-        )
-    fallback_used = bool(unknown)
+        why = f"no fresh capacity measurement of {', '.join(common['unknown_engines'])}"
+        return Limits(None, None, "measured", False, why, margin_tokens=margin_tokens, **common)
     if fallback_limit_tokens is not None:
-        phrase = "configured fallback limit (KVPROXY_CAPACITY_FALLBACK_LIMIT_TOKENS)"
-        for label, role in unknown.items():
-            fb = _Candidate(
-                fallback_limit_tokens, f"{phrase} for unmeasured {label}", label, True, True
-            )
-            if role in _ADMISSION_ROLES:
-                adm.append(fb)
-            if role in _DECODE_ROLES:
-                dec.append(fb)
-                dec_prompt.append(fallback_limit_tokens)
+        cands.add_fallbacks(unknown, fallback_limit_tokens)
     if max_context is not None:
-        adm.append(_Candidate(max_context, "declared context (KVPROXY_MAX_CONTEXT)", None, True))
-
-    if not adm:
-        return Limits(
-            None,
-            None,
-            "measured",
-            False,
-            "no prefill or unified engine is configured and KVPROXY_MAX_CONTEXT is unset",
-            declared_context=max_context,
-            margin_tokens=margin_tokens,
-            unknown_engines=unknown_labels,
-            warnings=tuple(warnings),
+        cands.admission.append(
+            _Candidate(max_context, "declared context (KVPROXY_MAX_CONTEXT)", None, True)
         )
-
-    def source_of(cands: Sequence[_Candidate]) -> Source:
-        # A fallback standing in for a missing measurement makes the whole limit
-        # declared: it is no longer backed by what every engine reported.
-        if any(c.fallback for c in cands) or all(c.declared for c in cands):
-            return "declared"
-        return "measured"
-
-    best = _pick(adm)
-    decode_best = _pick(dec) if dec else None
-    input_limit = max(0, best.tokens - margin_tokens)
-    input_source = source_of(adm)
-    input_why = best.phrase + _margin_phrase(margin_tokens)
-    decode_limit = max(0, decode_best.tokens - margin_tokens) if decode_best else None
-    decode_source = source_of(dec) if dec else "measured"
-    published, source, why, binding = input_limit, input_source, input_why, best.engine
-    if decode_best is not None and decode_limit is not None and decode_limit - 1 < input_limit:
-        # The decode side binds: its limit is on prompt + output, and a client needs at
-        # least one output token, so one token of it is the output's.
-        published, source, binding = max(0, decode_limit - 1), decode_source, decode_best.engine
-        why = (
-            f"{decode_best.phrase}{_margin_phrase(margin_tokens)}, which serves prompt + "
-            f"output up to {decode_limit:,}: {published:,} with one output token"
-        )
-    return Limits(
-        admission_limit_tokens=published,
-        decode_limit_tokens=decode_limit,
-        source=source,
-        known=True,
-        why=why,
-        binding_engine=binding,
-        input_limit_tokens=input_limit,
-        input_source=input_source,
-        input_why=input_why,
-        declared_context=max_context,
-        decode_source=decode_source,
-        decode_why=(
-            decode_best.phrase + _margin_phrase(margin_tokens)
-            if decode_best is not None
-            else "no decode or unified engine is configured: the decode budget is not checked"
-        ),
-        decode_binding_engine=decode_best.engine if decode_best is not None else None,
-        decode_prompt_limit_tokens=(
-            max(0, min(dec_prompt) - margin_tokens) if dec_prompt and decode_best else None
-        ),
-        measured_limit_tokens=measured_limit,
-        measured_why=measured_why,
-        margin_tokens=margin_tokens,
-        unknown_engines=unknown_labels,
-        fallback_used=fallback_used,
-        warnings=tuple(warnings),
-    )
+    if not cands.admission:
+        why = "no prefill or unified engine is configured and KVPROXY_MAX_CONTEXT is unset"
+        return Limits(None, None, "measured", False, why, margin_tokens=margin_tokens, **common)
+    return _known_limits(cands, margin_tokens, fallback_used=bool(unknown), **common)
 
 
 class LimitSettings(Protocol):
