@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -36,6 +36,7 @@ from kvproxy.capacity.limits import vllm_limits
 from kvproxy.capacity.measurement import EngineMeasurement, Findings, ProbeError
 from kvproxy.capacity.reports import (
     Reports,
+    Sample,
     fetch_json,
     fetch_text,
     label_token_count,
@@ -48,64 +49,76 @@ from kvproxy.config import EngineSpec
 
 CACHE_INFO = "vllm:cache_config_info"
 
+# Where each number is read from. The pool: each `CACHE_INFO` series' `kv_cache_size_tokens`
+# label, else its `num_gpu_blocks` x `block_size` split per DP engine (`_series_pool`). The
+# page size: the smallest `block_size` label. The context: every /v1/models entry.
+PAGE_LABEL = "block_size"
+CONTEXT_FIELD = "/v1/models data[].max_model_len"
 
-def measure_vllm(
-    spec: EngineSpec,
-    metrics_text: str,
-    models: Mapping[str, Any],
-    *,
-    measured_at: float | None = None,
-    version: str | None = None,
-) -> EngineMeasurement:
-    """Pure: recorded `/metrics` text and `/v1/models` JSON in, one measurement out."""
-    found = Findings()
+
+def _cache_series(metrics_text: str) -> list[Sample]:
     series = parse_prometheus(metrics_text, (CACHE_INFO,))[CACHE_INFO]
     if not series:
         if not looks_like_prometheus(metrics_text):
             raise ProbeError("not_metrics", "/metrics is not Prometheus text")
         raise ProbeError("missing_field", f"/metrics has no {CACHE_INFO} series")
+    return series
 
+
+def _dp_size(series: Sequence[Sample]) -> int | None:
+    """The DP engines the front end serves (distinct `engine` labels; 1 without them), or
+    None when labelled and unlabelled series mix."""
+    labelled = [labels.get("engine") for labels, _ in series]
+    if any(e is None for e in labelled) and any(e is not None for e in labelled):
+        return None
+    return max(1, len(set(labelled)) if labelled[0] is not None else 1)
+
+
+def _series_pool(
+    labels: Mapping[str, str], where: str, block_size: int | None, dp_size: int | None
+) -> tuple[int, str, bool]:
+    """One series' per-engine pool, its source, and whether it came from blocks."""
+    tokens = label_token_count(labels, "kv_cache_size_tokens", f"{where}.kv_cache_size_tokens")
+    if tokens is not None:
+        return tokens, f"{where}.kv_cache_size_tokens", False
+    blocks = label_token_count(labels, "num_gpu_blocks", f"{where}.num_gpu_blocks")
+    if blocks is None or block_size is None:
+        raise ProbeError(
+            "missing_field",
+            f"{where} has neither kv_cache_size_tokens nor num_gpu_blocks and block_size",
+        )
+    if dp_size is None:
+        raise ProbeError(
+            "missing_field",
+            f"{CACHE_INFO} series mix engine-labelled and unlabelled ones, so the DP size "
+            "is unknown and num_gpu_blocks (the front end's sum over its DP engines) "
+            "cannot be split per engine; use a build that exports kv_cache_size_tokens",
+        )
+    if dp_size == 1:
+        return blocks * block_size, f"{where}.num_gpu_blocks*block_size", True
+    return (
+        blocks // dp_size * block_size,
+        f"{where}.num_gpu_blocks/{dp_size} engines*block_size",
+        True,
+    )
+
+
+def _pool(series: Sequence[Sample], found: Findings) -> tuple[Reports, list[int]]:
+    """Every series' pool report, and every block size reported."""
     pool = Reports("KV pool")
     blocks_used = False
     block_sizes: list[int] = []
-    labelled = [labels.get("engine") for labels, _ in series]
-    if any(e is None for e in labelled) and any(e is not None for e in labelled):
-        dp_size: int | None = None
-    else:
-        dp_size = max(1, len(set(labelled)) if labelled[0] is not None else 1)
-    for labels in (labels for labels, _ in series):
+    dp_size = _dp_size(series)
+    for labels, _ in series:
         engine = labels.get("engine")
         tag = f"{{engine={engine}}}" if engine is not None else ""
         where = f"metrics.{CACHE_INFO}{tag}"
-        block_size = label_token_count(labels, "block_size", f"{where}.block_size")
+        block_size = label_token_count(labels, PAGE_LABEL, f"{where}.{PAGE_LABEL}")
         if block_size is not None:
             block_sizes.append(block_size)
-        tokens = label_token_count(labels, "kv_cache_size_tokens", f"{where}.kv_cache_size_tokens")
-        if tokens is not None:
-            pool.add(tokens, f"{where}.kv_cache_size_tokens")
-            continue
-        blocks = label_token_count(labels, "num_gpu_blocks", f"{where}.num_gpu_blocks")
-        if blocks is None or block_size is None:
-            raise ProbeError(
-                "missing_field",
-                f"{where} has neither kv_cache_size_tokens nor num_gpu_blocks and block_size",
-            )
-        if dp_size is None:
-            raise ProbeError(
-                "missing_field",
-                f"{CACHE_INFO} series mix engine-labelled and unlabelled ones, so the DP size "
-                "is unknown and num_gpu_blocks (the front end's sum over its DP engines) "
-                "cannot be split per engine; use a build that exports kv_cache_size_tokens",
-            )
-        blocks_used = True
-        if dp_size == 1:
-            pool.add(blocks * block_size, f"{where}.num_gpu_blocks*block_size")
-        else:
-            pool.add(
-                blocks // dp_size * block_size,
-                f"{where}.num_gpu_blocks/{dp_size} engines*block_size",
-            )
-
+        tokens, source, from_blocks = _series_pool(labels, where, block_size, dp_size)
+        pool.add(tokens, source)
+        blocks_used = blocks_used or from_blocks
     if blocks_used:
         split = (
             f" / {dp_size} DP engines (the front end sums their blocks)"
@@ -120,7 +133,10 @@ def measure_vllm(
     dp_msg = pool.disagreement()
     if dp_msg is not None:
         found.warn("dp_ranks_differ", dp_msg)
+    return pool, block_sizes
 
+
+def _context(models: Mapping[str, Any], found: Findings) -> Reports:
     context = Reports("context length")
     for i, entry in enumerate(object_list(models, "data", "/v1/models data")):
         context.add(
@@ -132,8 +148,23 @@ def measure_vllm(
     context_msg = context.disagreement()
     if context_msg is not None:
         found.warn("fields_disagree", context_msg)
+    return context
 
-    present = [f"metrics.{CACHE_INFO}", "/v1/models data[].max_model_len"]
+
+def measure_vllm(
+    spec: EngineSpec,
+    metrics_text: str,
+    models: Mapping[str, Any],
+    *,
+    measured_at: float | None = None,
+    version: str | None = None,
+) -> EngineMeasurement:
+    """Pure: recorded `/metrics` text and `/v1/models` JSON in, one measurement out."""
+    found = Findings()
+    series = _cache_series(metrics_text)
+    pool, block_sizes = _pool(series, found)
+    context = _context(models, found)
+    present = [f"metrics.{CACHE_INFO}", CONTEXT_FIELD]
     absent: list[str] = []
     has_tokens = any("kv_cache_size_tokens" in labels for labels, _ in series)
     (present if has_tokens else absent).append(f"metrics.{CACHE_INFO}.kv_cache_size_tokens")
@@ -166,7 +197,7 @@ def measure_vllm(
         bound_by=limits.bound_by,
         measured_at=time.time() if measured_at is None else measured_at,
         page_size=min(block_sizes) if block_sizes else None,
-        page_size_source=f"metrics.{CACHE_INFO}.block_size" if block_sizes else None,
+        page_size_source=f"metrics.{CACHE_INFO}.{PAGE_LABEL}" if block_sizes else None,
         context_length=max_model_len,
         context_source=context_source,
         decode_limit_tokens=limits.decode_limit_tokens,
