@@ -55,10 +55,6 @@ class SequencePrompt:
         return len(self.messages)
 
     @property
-    def tools_json_bytes(self) -> int:
-        return len(self.tools_json.encode("utf-8", "surrogatepass"))
-
-    @property
     def text_chars(self) -> int:
         return sum(map(len, self.texts)) + len(self.tools_json)
 

@@ -151,8 +151,5 @@ class PagedPool:
         base = page * self.page_size
         return self.tokens[base : base + min(count, self.page_size)]
 
-    def has_pending(self, pages: list[int]) -> bool:
-        return any(self.pending_writes[p] > 0 for p in pages)
-
     def reset_counters(self) -> None:
         self.counters = PoolCounters()

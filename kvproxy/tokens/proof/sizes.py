@@ -167,10 +167,6 @@ def roots_of(p: Poly) -> set[str]:
     return {v[1][0] for m in p for v in m}
 
 
-def is_root(path: tuple[str, ...], prefix: str) -> bool:
-    return path[0].startswith(prefix)
-
-
 def substitute(p: Poly, fn: Any) -> Poly:
     """Replace every variable v by the polynomial fn(v) (or keep it when fn returns None)."""
     out: dict[Mono, int] = {}
