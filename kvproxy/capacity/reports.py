@@ -2,8 +2,8 @@
 
 Owns the only translation of transport failures into `ProbeError` reasons (built on
 `kvproxy.upstream.boundary.network_boundary`, so the proxy and the probes agree on what a
-timeout or a reset is), the response size cap, a small Prometheus text parser that
-extracts only the series a probe asks for, and the strictness every probe shares: a
+timeout or a reset is), the response size cap, the extraction of only the Prometheus
+series a probe asks for, and the strictness every probe shares: a
 token count is a JSON integer >= 1 (not a bool, float or string), `null` means "not
 reported", and when several fields report one number the smallest wins.
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy.capacity.measurement import ProbeError
 from kvproxy.policy import NetworkKind, UpstreamFailure
@@ -125,39 +126,6 @@ async def fetch_text(session: aiohttp.ClientSession, url: str, timeout_s: float)
 Sample = tuple[dict[str, str], float]
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_NAME = re.compile(r"\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*\"")
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
-
-
-def _parse_labels(line: str, pos: int) -> tuple[dict[str, str], int]:
-    """Parse `{a="x",b="y"}` starting after the `{`; return labels and the index after `}`."""
-    labels: dict[str, str] = {}
-    while True:
-        while pos < len(line) and line[pos] in " \t,":
-            pos += 1
-        if pos < len(line) and line[pos] == "}":
-            return labels, pos + 1
-        m = _LABEL_NAME.match(line, pos)
-        if m is None:
-            raise ValueError("bad label name")
-        pos = m.end()
-        value: list[str] = []
-        while True:
-            if pos >= len(line):
-                raise ValueError("unterminated label value")
-            ch = line[pos]
-            if ch == "\\":
-                if pos + 1 >= len(line):
-                    raise ValueError("dangling escape")
-                value.append(_ESCAPES.get(line[pos + 1], line[pos + 1]))
-                pos += 2
-            elif ch == '"':
-                pos += 1
-                break
-            else:
-                value.append(ch)
-                pos += 1
-        labels[m.group(1)] = "".join(value)
 
 
 def parse_prometheus(text: str, names: Collection[str]) -> dict[str, list[Sample]]:
@@ -166,21 +134,19 @@ def parse_prometheus(text: str, names: Collection[str]) -> dict[str, list[Sample
     found: dict[str, list[Sample]] = {name: [] for name in names}
     for raw in text.splitlines():
         line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
         m = _NAME.match(line)
         if m is None or m.group(0) not in found:
             continue
-        pos = m.end()
+        # prometheus_client's parser on the selected lines only: 13 ms on a 731 KB,
+        # 7,947-line exposition, against 380 ms for the whole text.
+        name = m.group(0)
         try:
-            labels: dict[str, str] = {}
-            if pos < len(line) and line[pos] == "{":
-                labels, pos = _parse_labels(line, pos + 1)
-            value_text = line[pos:].split()[0]
-            value = float(value_text)
-        except (ValueError, IndexError):
-            raise ProbeError("not_metrics", f"malformed sample of {m.group(0)}") from None
-        found[m.group(0)].append((labels, value))
+            (sample,) = (s for f in text_string_to_metric_families(line) for s in f.samples)
+        except ValueError:
+            sample = None
+        if sample is None or sample.name != name:  # `m,{} 1` is no sample of m
+            raise ProbeError("not_metrics", f"malformed sample of {name}")
+        found[name].append((dict(sample.labels), float(sample.value)))
     return found
 
 

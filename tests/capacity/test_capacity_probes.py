@@ -399,3 +399,15 @@ def test_vllm_dp_size_unknown_refuses_the_blocks_fallback() -> None:
         measure_vllm(VLLM, text, models(131_072))
     assert reason_of(exc) == "missing_field"
     assert "DP size" in exc.value.message
+
+
+@pytest.mark.parametrize("line", ["m{a=x} 1", "m,{} 1", "m{a='x'} 1", "m"])
+def test_prometheus_malformed_sample_of_an_asked_name_is_an_error(line: str) -> None:
+    with pytest.raises(ProbeError) as exc:
+        parse_prometheus(f"m 1\n{line}\n", ["m"])
+    assert reason_of(exc) == "not_metrics"
+
+
+def test_prometheus_malformed_lines_of_other_names_are_skipped() -> None:
+    text = 'other{a=x} 1\n<html>\nm{a="1"} 7\nm_total 9\n'
+    assert parse_prometheus(text, ["m"]) == {"m": [({"a": "1"}, 7.0)]}
