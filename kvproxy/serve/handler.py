@@ -2,22 +2,17 @@
 
     handle(request)
       builds a RequestContext (kvproxy.serve.context): route, request id, tenant
-      runs the stages in order; each reads and fills the context and returns a refusal
-      (a `KvproxyError`), ABANDONED (the client left before anything was sent) or None:
-        every request     refuse_when_stopping, refuse_overloaded, refuse_oversize_head,
-                          refuse_route, refuse_oversize, reserve_body_memory, read_body,
-                          upstream_headers
-        counted routes    require_post, decode_body, pick_model, admit, body_counted,
-                          pick_cluster, take_budget, recheck_after_queue, clamp
-        pass-through      passthrough_upstream (gateway mode's single-model form),
-                          body_counted
+      runs the stages of its plan in order (`PLANS`); each reads and fills the context and
+      returns a refusal (a `KvproxyError`), ABANDONED (the client left before anything was
+      sent) or None:
+{PLANS}
       forwards the bytes as read (decoded if they were; no re-serialisation) through the
       relay (kvproxy.serve.relay: I5, I6)
     One way out for a refusal (`_refuse`), one `finally` that gives the in-flight budget
     back once the upstream is closed (I6) and writes the access line (a view of the context).
     After the exchange, the cluster's passive health (`_observe_health`): a connect failure
-    or a 5xx ejects it; a connect failure, and only that (no byte was sent), runs RETRY once:
-    move_cluster, pick_cluster, take_budget, recheck_after_queue, clamp on another cluster.
+    or a 5xx ejects it; a connect failure, and only that (no byte was sent), runs RETRY once
+    on another cluster.
 
 Each stage fails closed: a connection accepted past the connection limit, or a body that
 finds no room in the body-memory budget in time, is a 503 `overloaded` before its body is
@@ -544,6 +539,43 @@ PASSTHROUGH = _plan(*EVERY_REQUEST, passthrough_upstream, body_counted)
 REFUSED = _plan(*EVERY_REQUEST)
 # After a connect failure: another cluster, its budget, its limits, its clamp.
 RETRY = _plan(move_cluster, pick_cluster, take_budget, recheck_after_queue, clamp)
+
+# Every plan and when it runs. This module's docstring and docs/architecture.md show
+# `describe_plans()` (tests/serve/test_handler_plans.py holds the doc to it).
+PLANS: tuple[tuple[str, Plan], ...] = (
+    ("counted routes", COUNTED),
+    ("pass-through", PASSTHROUGH),
+    ("refused routes", REFUSED),
+    ("RETRY", RETRY),
+)
+
+
+def describe_plans(indent: int = 0, width: int = 92) -> str:
+    """The plans as lines of stage names: the stages every request runs first, then what
+    each plan adds after them (or runs instead, for RETRY)."""
+    names = [stage.__name__ for stage in EVERY_REQUEST]
+    rows = [("every request", names)]
+    for label, plan in PLANS:
+        stages = [stage.__name__ for stage, _ in plan]
+        if stages[: len(names)] == names:
+            rows.append((f"{label} +", stages[len(names) :] or ["(nothing)"]))
+        else:
+            rows.append((label, stages))
+    label_width = max(len(label) for label, _ in rows) + 2
+    lines = []
+    for label, stages in rows:
+        line = " " * indent + label.ljust(label_width)
+        for name in stages:
+            if len(line) + len(name) + 1 > width and not line.endswith(" " * label_width):
+                lines.append(line.rstrip())
+                line = " " * (indent + label_width)
+            line += name + " "
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+if __doc__:  # None under python -OO
+    __doc__ = __doc__.replace("{PLANS}", describe_plans(indent=8))
 
 
 # --- helpers ---------------------------------------------------------------------------------
