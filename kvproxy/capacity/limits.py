@@ -336,16 +336,17 @@ def _overpromise_warnings(
 
 
 def _published(
-    input_best: _Candidate, input_limit: int, cands: _Candidates, margin_tokens: int
+    input_best: _Candidate,
+    input_limit: int,
+    decode_best: _Candidate | None,
+    decode_limit: int | None,
+    cands: _Candidates,
+    margin_tokens: int,
 ) -> tuple[int, Source, str, str | None]:
     """The published limit (module docstring), its source, why and binding engine."""
-    input_why = input_best.phrase + _margin_phrase(margin_tokens)
-    if not cands.decode:
-        return input_limit, _source_of(cands.admission), input_why, input_best.engine
-    decode_best = _pick(cands.decode)
-    decode_limit = max(0, decode_best.tokens - margin_tokens)
-    if decode_limit - 1 >= input_limit:
-        return input_limit, _source_of(cands.admission), input_why, input_best.engine
+    if decode_best is None or decode_limit is None or decode_limit - 1 >= input_limit:
+        why = input_best.phrase + _margin_phrase(margin_tokens)
+        return input_limit, _source_of(cands.admission), why, input_best.engine
     # The decode side binds: its limit is on prompt + output, and a client needs at least
     # one output token, so one token of it is the output's.
     published = max(0, decode_limit - 1)
@@ -360,7 +361,6 @@ def _known_limits(cands: _Candidates, margin_tokens: int, **common: Any) -> Limi
     """The limits once every engine has a number (measured, declared or the fallback)."""
     best = _pick(cands.admission)
     input_limit = max(0, best.tokens - margin_tokens)
-    published, source, why, binding = _published(best, input_limit, cands, margin_tokens)
     decode_best = _pick(cands.decode) if cands.decode else None
     if decode_best is None:
         decode_limit = None
@@ -368,6 +368,9 @@ def _known_limits(cands: _Candidates, margin_tokens: int, **common: Any) -> Limi
     else:
         decode_limit = max(0, decode_best.tokens - margin_tokens)
         decode_why = decode_best.phrase + _margin_phrase(margin_tokens)
+    published, source, why, binding = _published(
+        best, input_limit, decode_best, decode_limit, cands, margin_tokens
+    )
     return Limits(
         admission_limit_tokens=published,
         decode_limit_tokens=decode_limit,
