@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from kvtest import add_summary
 from tokenizer_files import cache_root
 
-from oracles import corpus, fuzz
+from oracles import capture, corpus, fuzz
 from oracles import sglang as replica
 from oracles import vllm as vllm_replica
 from oracles.common import Count, Refused, Unmodelled
@@ -43,9 +43,9 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(1800)]
 
 MODEL = "qwen-3"
 EXAMPLES = int(os.environ.get("KVPROXY_SGLANG_REAL_EXAMPLES", "300"))
-# Routes the worker runs with SGLang's own handlers (chat and completions); the others
-# SGLang serves (/generate, /v1/responses) stay the replica's alone, listed in the summary.
-REAL_ROUTES = ("chat", "completions")
+# Every route SGLang serves that the corpus and the fuzzer send it: the worker runs each
+# with SGLang's own handler (score and rerank bodies are vLLM's, never SGLang's).
+REAL_ROUTES = ("chat", "completions", "generate", "responses")
 HUGE = 2**31 - 1
 
 
@@ -183,7 +183,9 @@ def _judge(out: Outcome, side: KvproxySide, model: Any, b: Body, real: dict[str,
 def real() -> Iterator[RealSglang]:
     """One worker for the module (its imports take 6-17 s), stopped at the end."""
     t0 = time.monotonic()
-    with RealSglang(venv_path(), cache_root() / f"sglang-real-{MODEL}") as worker:
+    model_dir = cache_root() / f"sglang-real-{MODEL}"
+    # Served under the model id the corpus and the fuzzer name (the capture worker's).
+    with RealSglang(venv_path(), model_dir, served_model_name=capture.MODEL) as worker:
         worker.ready["started_s"] = time.monotonic() - t0
         yield worker
 
@@ -239,6 +241,7 @@ def test_summary(outcome: Outcome, request: pytest.FixtureRequest) -> None:
     }
     add_summary(request.config, "oracles: SGLang 0.5.23's own preprocessing", lines)
     assert outcome.stats["real-counted"] > 0
+    assert not outcome.apart, "every corpus case SGLang serves is counted by SGLang's code"
     assert len(families) == len(fuzz.CLASSES)
     if EXAMPLES >= 300:
         assert outcome.stats["fuzz"] >= 2000

@@ -1,6 +1,6 @@
 """Start `worker.py` under SGLang's venv and ask it for counts, in batches over its pipes.
 
-    with RealSglang(venv, model_dir) as real:
+    with RealSglang(venv, model_dir, served_model_name="tiny") as real:
         answers = real.count_many([("chat", body_bytes), ...])   # [{"tokens": [n]} | ...]
 
 The worker runs in a process group of its own, stopped (SIGTERM, then SIGKILL) on exit;
@@ -39,12 +39,19 @@ class WorkerFailed(RuntimeError):
 
 
 class RealSglang:
-    def __init__(self, venv: Path, model_dir: Path) -> None:
+    def __init__(self, venv: Path, model_dir: Path, served_model_name: str) -> None:
         python = venv / "bin" / "python"
         if not python.is_file():
             raise WorkerFailed(f"no SGLang venv at {venv}: run `make sglang-real`")
         self.proc = subprocess.Popen(
-            [str(python), str(WORKER), "--model-dir", str(model_dir)],
+            [
+                str(python),
+                str(WORKER),
+                "--model-dir",
+                str(model_dir),
+                "--served-model-name",
+                served_model_name,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

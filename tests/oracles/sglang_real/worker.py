@@ -20,7 +20,7 @@ A line holding a JSON list of such objects is a batch, answered by one line hold
 list of answers (one pipe round trip for many bodies). The first line the worker writes
 is {"ready": {...}} once SGLang is imported and the handlers are built.
 
-    python worker.py --model-dir DIR      # builds DIR (config + tokenizer) when missing
+    python worker.py --model-dir DIR [--served-model-name ID]  # builds DIR when missing
 """
 
 from __future__ import annotations
@@ -95,14 +95,28 @@ def import_sglang() -> None:
         sys.path.insert(0, os.path.join(HERE, "torchvision_stub"))
 
 
+class _Captured(BaseException):
+    """Raised by the stand-in's generate_request with the request the handler built; a
+    BaseException, so no handler's `except Exception` turns it into an error reply."""
+
+    def __init__(self, request: Any) -> None:
+        super().__init__("captured")
+        self.request = request
+
+
+def _capture(obj: Any, raw_request: Any = None) -> Any:
+    raise _Captured(obj)
+
+
 class Oracle:
     """SGLang's handlers around a stand-in tokenizer manager, for one model directory."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, served_model_name: str) -> None:
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
         from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
         from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+        from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
         from sglang.srt.parser.template_manager import TemplateManager
         from sglang.srt.runtime_context import get_context
@@ -111,7 +125,7 @@ class Oracle:
 
         self.ChatCompletionRequest = ChatCompletionRequest
         self.CompletionRequest = CompletionRequest
-        sa = ServerArgs(model_path=model_dir, device="cpu", served_model_name="tiny")
+        sa = ServerArgs(model_path=model_dir, device="cpu", served_model_name=served_model_name)
         get_context().set_server_args(sa)
         tokenizer = get_tokenizer(model_dir)
         model_config = ModelConfig.from_server_args(sa)
@@ -122,18 +136,28 @@ class Oracle:
             processor=None,
             model_config=model_config,
             server_args=sa,
-            served_model_name="tiny",
+            served_model_name=served_model_name,
             config_value=lambda name: get_context().config_leaf(name),
             async_dynamic_batch_tokenizer=None,
         )
         for name in ("_tokenize_texts", "_detect_input_format", "_prepare_tokenizer_input",
-                     "_extract_tokenizer_results"):  # fmt: skip
+                     "_extract_tokenizer_results", "_tokenize_one_request"):  # fmt: skip
             setattr(tm, name, types.MethodType(getattr(TokenizerManager, name), tm))
+        # _tokenize_one_request ends by checking the context length (not this oracle's
+        # question: it returns the count) and building the scheduler's object: both are
+        # replaced by handing the ids back.
+        tm.mm_processor = None
+        tm._validate_one_request = lambda obj, input_ids: None
+        tm._create_tokenized_object = lambda obj, text, ids, embeds, mm, types_: ids
+        # /v1/responses hands its GenerateReqInput to the tokenizer manager: caught there.
+        tm.generate_request = _capture
+        tm.request_logger = types.SimpleNamespace(log_requests=False, log_requests_level=0)
         self.tm = tm
         templates = TemplateManager()
         templates.initialize_templates(tm, model_path=model_dir)
         self.chat = OpenAIServingChat(tm, templates)
         self.completion = OpenAIServingCompletion(tm, templates)
+        self.responses = OpenAIServingResponses(tm, templates)
         self.loop = asyncio.new_event_loop()
 
     def count(self, route: str, body: bytes) -> dict[str, Any]:
@@ -141,7 +165,68 @@ class Oracle:
             return self._serve(self.chat, self.ChatCompletionRequest, body)
         if route == "completions":
             return self._serve(self.completion, self.CompletionRequest, body)
+        if route == "generate":
+            return self._generate(body)
+        if route == "responses":
+            return self._responses(body)
         return {"unsupported": f"route {route}"}
+
+    def _generate(self, body: bytes) -> dict[str, Any]:
+        """http_server.py generate_request: FastAPI builds the GenerateReqInput dataclass
+        from the body (pydantic), the API contract check, then the tokenizer manager's
+        generate_request: normalize_batch_and_arguments, and `_tokenize_one_request` for
+        the request or each of a batch's."""
+        import orjson
+        import pydantic
+        from sglang.srt.entrypoints.api_contract import generate_contract_error
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            return {"refused": f"400: json: {exc}"}
+        try:
+            obj = pydantic.TypeAdapter(GenerateReqInput).validate_python(data)
+        except pydantic.ValidationError as exc:
+            return {"refused": f"400: validation: {exc.errors()[0].get('msg', '')}"}
+        err = generate_contract_error(data)
+        if err is not None:
+            return {"refused": f"400: {err}"}
+        try:
+            obj.normalize_batch_and_arguments()
+            reqs = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
+            lengths = []
+            for one in reqs:
+                ids = self.loop.run_until_complete(self.tm._tokenize_one_request(one))
+                lengths.append(len(ids))
+            return {"tokens": lengths}
+        except ValueError as exc:
+            return {"refused": f"400: {exc}"}
+        except Exception as exc:
+            return {"refused": f"500: {type(exc).__name__}: {exc}"}
+
+    def _responses(self, body: bytes) -> dict[str, Any]:
+        """http_server.py v1_responses_request: the ResponsesRequest model, then
+        serving_responses.py create_responses whole, up to the GenerateReqInput it hands
+        the tokenizer manager (caught by the stand-in's generate_request)."""
+        import orjson
+        import pydantic
+        from sglang.srt.entrypoints.openai.protocol import ResponsesRequest
+
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            return {"refused": f"400: json: {exc}"}
+        try:
+            req = ResponsesRequest.model_validate(data)
+        except pydantic.ValidationError as exc:
+            return {"refused": f"400: validation: {exc.errors()[0].get('msg', '')}"}
+        try:
+            result = self.loop.run_until_complete(self.responses.create_responses(req, None))
+        except _Captured as got:
+            return {"tokens": self._prompt_lengths(got.request)}
+        status = getattr(result, "status_code", None)
+        return {"refused": f"{status}: {getattr(result, 'body', b'')[:300]!r}"}
 
     def _serve(self, handler: Any, model: Any, body: bytes) -> dict[str, Any]:
         import orjson
@@ -196,6 +281,11 @@ def answer(oracle: Oracle, item: Any) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", required=True)
+    ap.add_argument(
+        "--served-model-name",
+        default="tiny",
+        help="the model id bodies name (/v1/responses refuses any other with a 404)",
+    )
     ap.add_argument("--check", action="store_true", help="import and build, then exit")
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -208,7 +298,7 @@ def main() -> int:
     import sglang
 
     with contextlib.redirect_stdout(io.StringIO()):
-        oracle = Oracle(args.model_dir)
+        oracle = Oracle(args.model_dir, args.served_model_name)
     ready = {"sglang": sglang.__version__, "seconds": round(time.monotonic() - t0, 1)}
     out.write(json.dumps({"ready": ready}) + "\n")
     out.flush()
