@@ -22,7 +22,7 @@ APT_PKGS := prometheus wrk nginx-light curl redis-server
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE   ?= localhost/kvproxy:$(VERSION)
 
-.PHONY: run test test-slow test-faults faultdeps lint fmt sysdeps smg image dashboard bench bench-peers check-record clean
+.PHONY: run test test-slow test-faults test-real sglang-real faultdeps lint fmt sysdeps smg image dashboard bench bench-peers check-record clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -55,6 +55,19 @@ $(SGLANG_PROTOCOL): $(STAMP)
 	$(PY) -m pip download -q --disable-pip-version-check --no-deps 'sglang==$(SGLANG_VERSION)' -d $(dir $@)wheel
 	$(PY) -c "import glob, sys, zipfile; w = zipfile.ZipFile(glob.glob(sys.argv[1] + '/sglang-*.whl')[0]); open(sys.argv[2], 'wb').write(w.read('sglang/srt/entrypoints/openai/protocol.py'))" $(dir $@)wheel $@.tmp
 	rm -rf $(dir $@)wheel && mv $@.tmp $@
+
+# SGLang itself (its request preprocessing only: no server, no GPU) in a venv of its own, for
+# the real SGLang oracle (tests/oracles/sglang_real/: worker.py runs with this python). Shared
+# between clones (~2.6 GB, ~75 s to install); the stamp names the release, and install.sh
+# changing re-runs it (idempotent: ~15 s on a complete venv).
+KVPROXY_SGLANG_VENV ?= $(HOME)/.cache/kvproxy/venv-sglang-$(SGLANG_VERSION)
+SGLANG_REAL_STAMP   := $(KVPROXY_SGLANG_VENV)/.installed-sglang-real-$(SGLANG_VERSION)
+$(SGLANG_REAL_STAMP): tests/oracles/sglang_real/install.sh tests/oracles/sglang_real/worker.py
+	tests/oracles/sglang_real/install.sh $(KVPROXY_SGLANG_VENV)
+	rm -f $(KVPROXY_SGLANG_VENV)/.installed-sglang-real-*
+	touch $(SGLANG_REAL_STAMP)
+
+sglang-real: $(SGLANG_REAL_STAMP)
 
 # Debian packages used by tests and benchmarks; installed only when missing and when root.
 sysdeps:
@@ -118,6 +131,12 @@ test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
 # Collected only here (KVPROXY_FAULTS=1): the fast and slow suites never start it.
 test-faults: $(STAMP) $(SMG_STAMP) sysdeps faultdeps
 	KVPROXY_FAULTS=1 $(PYTEST) $(PYTEST_ARGS) tests/faults
+
+# Real engines' own code in the loop (marker `real`, collected only under KVPROXY_REAL=1):
+# SGLang 0.5.23's own preprocessing as the SGLang oracle (tests/oracles/test_oracle_sglang_real.py).
+# Run alone, not beside the fast suite.
+test-real: $(STAMP) $(SGLANG_REAL_STAMP)
+	KVPROXY_REAL=1 KVPROXY_SGLANG_VENV=$(KVPROXY_SGLANG_VENV) $(PYTEST) $(PYTEST_ARGS) -m real
 
 # deploy/Dockerfile built with podman; the base is made from Debian's archive when no image
 # registry is reachable (deploy/image/build.sh says how, and installs podman when root).

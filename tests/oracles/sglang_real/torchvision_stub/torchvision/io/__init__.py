@@ -1,0 +1,9 @@
+from typing import Any
+
+from torchvision import _Stub
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Stub()

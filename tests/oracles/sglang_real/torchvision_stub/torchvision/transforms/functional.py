@@ -1,0 +1,10 @@
+from typing import Any
+
+from torchvision import _Stub
+from torchvision.transforms import InterpolationMode  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Stub()
