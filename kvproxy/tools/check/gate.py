@@ -93,6 +93,10 @@ class GateOptions:
     accept_drain_timeouts: bool = False
     # The operator accepts an isolation run that skipped scenarios (kept in its report).
     canary_allow_partial: bool = False
+    # The isolation scenarios' rounds and long-prompt size (kvproxy canary's --rounds and
+    # --prompt-chars): replies are asked for as many tokens as the prompt has characters.
+    canary_rounds: int = 4
+    canary_prompt_chars: int | None = None
     # Engine posture (kvproxy.posture): the operator's advisories and accepted ids.
     advisories_file: str | None = None
     accept_advisories: tuple[str, ...] = ()
@@ -294,6 +298,8 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                     model=model,
                     probe_kind=opts.probe_kind,
                     allow_partial=opts.canary_allow_partial,
+                    rounds=opts.canary_rounds,
+                    prompt_chars=opts.canary_prompt_chars,
                     progress=progress,
                 )
             )
