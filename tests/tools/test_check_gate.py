@@ -14,7 +14,14 @@ import aiohttp
 import jsonschema
 import pytest
 from aiohttp import web
-from kvtest import FakeUpstream, canary_settings, running_proxy, sim_and_proxy, wait_until
+from kvtest import (
+    FakeUpstream,
+    canary_settings,
+    running_proxy,
+    serving,
+    sim_and_proxy,
+    wait_until,
+)
 
 from kvproxy.config import IMPLICIT_MODEL, EngineSpec
 from kvproxy.policy.drain import DEFERRED_OUTCOMES
@@ -278,6 +285,38 @@ async def test_a_drain_timeout_fails_the_gate_unless_the_operator_accepts_it(
     data = validate(write_record(record, tmp_path)[0])
     assert data["accept_drain_timeouts"] is accept
     assert ("ACCEPTED" in markdown(record)) is accept
+
+
+async def test_the_deferral_counts_are_read_after_the_scenarios(tmp_path: Path) -> None:
+    """The gate's own scenarios defer cancellations: a drain they caused that ended by
+    timeout must fail the gate. A proxy admin whose counters change between the gate's first
+    read (before the probes) and its end: the verdict and the record use the later read."""
+    scrapes: list[int] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        scrapes.append(1)
+        timeouts = 0 if len(scrapes) == 1 else 1  # a scenario's drain timed out meanwhile
+        name = "kvproxy_deferred_cancellations_total"
+        text = (
+            f"# TYPE {name} counter\n"
+            f'{name}{{outcome="first_token",upstream="default"}} 2\n'
+            f'{name}{{outcome="timeout",upstream="default"}} {timeouts}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    async with serving(app) as admin:
+        record = await run_gate(
+            GateOptions(engines=STATIC, max_context=None, proxy_admin=admin), lambda _: None
+        )
+    assert len(scrapes) == 2
+    check = next(c for c in record.checks if c.name == "deferred cancellations")
+    assert check.data["by_outcome"]["timeout"] == 1
+    assert not check.passed
+    assert record.deferred_cancellations is not None
+    assert record.deferred_cancellations["by_outcome"]["timeout"] == 1
+    assert "deferred cancellations" in record.failed_checks
 
 
 async def test_the_cli_flag_reaches_the_release_record(

@@ -27,10 +27,11 @@ from kvproxy.tools.isolation.harness import (
     CanaryReport,
     proxy_capacity,
     run_isolation,
+    run_verdict,
     summary,
     worst,
 )
-from kvproxy.tools.isolation.scenarios import ScenarioResult
+from kvproxy.tools.isolation.scenarios import NEEDS_SIM_REASON, SCENARIOS, ScenarioResult
 
 CLI_BOUND_S = 180.0
 
@@ -71,17 +72,65 @@ def report_with(*verdicts: str, accepted: bool = False) -> CanaryReport:
 def test_the_gate_fails_a_skipped_scenario_unless_the_partial_run_was_accepted(
     accepted: bool,
 ) -> None:
-    report = report_with("pass", "pass", "pass", "skipped", accepted=accepted)
+    report = report_with("pass", "pass", "skipped", "pass", accepted=accepted)
     assert report.verdict == "incomplete"
     assert report.exit_ok() is accepted
     checks = {c.name: c for c in isolation_checks(report)}
-    skipped = checks["isolation transfer_failure"]
+    skipped = checks["isolation cancel"]
     assert skipped.passed is accepted
     assert "not run (needs --sim)" in skipped.detail
-    assert all(checks[f"isolation {n}"].passed for n in ("normal_long", "boundary", "cancel"))
+    assert skipped.data["how"] == "not run: needs --sim"
+    names = ("normal_long", "boundary", "transfer_failure")
+    assert all(checks[f"isolation {n}"].passed for n in names)
+    assert all(checks[f"isolation {n}"].data["how"].startswith("ran: ") for n in names)
     head = summary(report).splitlines()[0]
     assert "INCOMPLETE (3 of 4 scenarios run" in head
     assert ("partial run accepted" in head) is accepted
+
+
+def _transfer_failure_skipped(sim: str | None) -> list[ScenarioResult]:
+    results = [ScenarioResult(n, "pass") for n in ("normal_long", "boundary", "cancel")]
+    skipped = ScenarioResult("transfer_failure", "skipped")
+    skipped.notes.append(NEEDS_SIM_REASON if sim is None else "the simulator refused")
+    return [*results, skipped]
+
+
+def test_a_scenario_a_real_stack_cannot_run_is_not_run_but_no_gap() -> None:
+    """transfer_failure needs the simulator's fault API. Against a real stack (no --sim) it
+    is recorded as not run, with the reason, and neither makes the run incomplete nor fails
+    the gate; the three that ran say how they ran."""
+    results = _transfer_failure_skipped(None)
+    verdict, not_run = run_verdict(results, SCENARIOS, None)
+    assert verdict == "pass"
+    assert not_run == {"transfer_failure": NEEDS_SIM_REASON}
+    report = report_with("pass", "pass", "pass", "skipped")
+    report.not_run, report.verdict = not_run, verdict
+    assert report.exit_ok()
+    checks = {c.name: c for c in isolation_checks(report)}
+    tf = checks["isolation transfer_failure"]
+    assert tf.passed
+    assert "not counted against the gate" in tf.detail
+    assert tf.data["how"] == f"not run: {NEEDS_SIM_REASON}"
+    assert "--sim" in tf.data["how"]
+    for name in ("normal_long", "boundary", "cancel"):
+        assert checks[f"isolation {name}"].data["how"] == (
+            "ran: 0 requests through the target, judged on the replies' markers only"
+        )
+
+
+def test_with_the_simulator_a_skipped_transfer_failure_is_still_a_gap() -> None:
+    """Given --sim, the fault API exists: a transfer_failure that did not run (the simulator
+    refused the injection) leaves the run incomplete and fails the gate."""
+    sim = "http://sim"
+    verdict, not_run = run_verdict(_transfer_failure_skipped(sim), SCENARIOS, sim)
+    assert verdict == "incomplete"
+    assert "transfer_failure" in not_run
+    report = report_with("pass", "pass", "pass", "skipped")
+    report.sim, report.not_run, report.verdict = sim, not_run, verdict
+    assert not report.exit_ok()
+    assert not next(
+        c for c in isolation_checks(report) if c.name.endswith("transfer_failure")
+    ).passed
 
 
 async def test_without_the_simulator_the_run_is_incomplete_and_the_limit_comes_from_capacity() -> (

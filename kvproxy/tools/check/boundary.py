@@ -21,7 +21,8 @@ from kvproxy.tools.client import (
     post,
     sim_prefill_url,
 )
-from kvproxy.tools.isolation.harness import CanaryReport
+from kvproxy.tools.isolation.harness import CanaryReport, cannot_run_here
+from kvproxy.tools.isolation.scenarios import ScenarioResult
 
 # One boundary probe: a prompt at the limit (up to ~1M tokens) through the proxy and engine.
 REQUEST_TIMEOUT_S = 600.0
@@ -132,6 +133,12 @@ async def resolve_model(
     return await discover_model(http, bases, {})
 
 
+def ran_how(sc: ScenarioResult, sim: str | None) -> str:
+    """How a scenario that ran was judged, for the record."""
+    truth = "the simulator's ground truth" if sim else "the replies' markers only"
+    return f"ran: {sc.requests} requests through the target, judged on {truth}"
+
+
 def isolation_checks(report: CanaryReport) -> list[Check]:
     """One check per scenario (no foreign marker delivered; a scenario that did not run
     fails unless the run was accepted as partial), plus "limit reachable" when the boundary
@@ -139,6 +146,18 @@ def isolation_checks(report: CanaryReport) -> list[Check]:
     but its tripwire does not know the harness's tenants."""
     checks: list[Check] = []
     for sc in report.scenarios:
+        if cannot_run_here(sc, report.sim):
+            # Not a gap the operator can close on a real stack: recorded, not failed.
+            why = report.not_run.get(sc.name, "skipped")
+            checks.append(
+                Check(
+                    f"isolation {sc.name}",
+                    True,
+                    f"not run ({why}); not counted against the gate",
+                    {"verdict": sc.verdict, "how": f"not run: {why}"},
+                )
+            )
+            continue
         if sc.verdict == "skipped":
             # Not run is not passed: only an operator who asked for a partial run lets it by.
             why = report.not_run.get(sc.name, "skipped")
@@ -152,7 +171,7 @@ def isolation_checks(report: CanaryReport) -> list[Check]:
                         if report.partial_accepted
                         else "; give the gate what it needs, or --canary-allow-partial"
                     ),
-                    {"verdict": sc.verdict},
+                    {"verdict": sc.verdict, "how": f"not run: {why}"},
                 )
             )
             continue
@@ -165,7 +184,7 @@ def isolation_checks(report: CanaryReport) -> list[Check]:
                 f"{sc.blocked_by_tripwire} withheld by the tripwire"
                 + (f", probes={sc.probe_kind}" if sc.probe_kind else "")
                 + ("; " + "; ".join(sc.problems[:3]) if sc.problems else ""),
-                {"verdict": sc.verdict},
+                {"verdict": sc.verdict, "how": ran_how(sc, report.sim)},
             )
         )
         if sc.verdict == "over_strict":

@@ -67,6 +67,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "transfer_failure without --sim); recorded in the isolation report",
     )
     p.add_argument(
+        "--canary-rounds",
+        type=int,
+        default=4,
+        help="with --canary: rounds of each isolation scenario (`kvproxy canary --rounds`)",
+    )
+    p.add_argument(
+        "--canary-prompt-chars",
+        type=int,
+        help="with --canary: characters of each long prompt (`kvproxy canary --prompt-chars`)",
+    )
+    p.add_argument(
         "--unknown-probe",
         help="a kvproxy URL whose engines are unreachable: must answer 503 capacity_unknown",
     )
@@ -168,6 +179,10 @@ def options_from(
         limit_model=spec.name if named else None,
         accept_drain_timeouts=args.accept_drain_timeouts,
         canary_allow_partial=args.canary_allow_partial,
+        canary_rounds=max(1, min(args.canary_rounds, 50)),
+        canary_prompt_chars=max(200, args.canary_prompt_chars)
+        if args.canary_prompt_chars
+        else None,
         probe_kind=args.probe_kind,
         advisories_file=settings.advisories_file,
         accept_advisories=settings.accept_advisories,

@@ -263,6 +263,8 @@ async def run_cluster_gate(
                 model=model,
                 probe_kind=opts.probe_kind,
                 allow_partial=opts.canary_allow_partial,
+                rounds=opts.canary_rounds,
+                prompt_chars=opts.canary_prompt_chars,
                 progress=progress,
             )
         )

@@ -9,7 +9,8 @@ Runs in CI/CD before a rollout that touches long-context settings:
      context_length_exceeded and, with --sim, proven never to reach the engines);
   4. with --canary: the isolation scenarios (kvproxy.tools.isolation), folded into the
      verdict;
-  5. with --proxy-admin: the proxy's deferred-cancellation counts by outcome; a deferral
+  5. with --proxy-admin: the proxy's deferred-cancellation counts by outcome, read after the
+     isolation scenarios (they defer cancellations of their own); a deferral
      that ended unconfirmed (timeout, shutdown) fails the gate unless the operator passes
      --accept-drain-timeouts, which the record keeps (kvproxy.tools.check.deferred).
 It fills in a release record (kvproxy.tools.check.record: JSON with its schema beside it, and
@@ -92,6 +93,10 @@ class GateOptions:
     accept_drain_timeouts: bool = False
     # The operator accepts an isolation run that skipped scenarios (kept in its report).
     canary_allow_partial: bool = False
+    # The isolation scenarios' rounds and long-prompt size (kvproxy canary's --rounds and
+    # --prompt-chars): replies are asked for as many tokens as the prompt has characters.
+    canary_rounds: int = 4
+    canary_prompt_chars: int | None = None
     # Engine posture (kvproxy.posture): the operator's advisories and accepted ids.
     advisories_file: str | None = None
     accept_advisories: tuple[str, ...] = ()
@@ -293,6 +298,8 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
                     model=model,
                     probe_kind=opts.probe_kind,
                     allow_partial=opts.canary_allow_partial,
+                    rounds=opts.canary_rounds,
+                    prompt_chars=opts.canary_prompt_chars,
                     progress=progress,
                 )
             )
@@ -300,6 +307,14 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
             checks.extend(isolation_checks(report))
             progress(summary(report))
     if deferred is not None:
+        # Read again now: the isolation scenarios (cancel) defer cancellations of their own,
+        # and a drain they caused that ended by timeout must fail the gate too.
+        async with aiohttp.ClientSession() as http:
+            after = await deferred_counts(http, opts.proxy_admin or "", opts.limit_model)
+        if after is None:
+            checks.append(Check("proxy metrics", False, "admin /metrics unreachable at the end"))
+        else:
+            deferred = after
         verdict = deferred_verdict(deferred, opts.accept_drain_timeouts)
         checks.append(Check(CHECK_NAME, verdict.passed, verdict.detail, deferred))
     failed = [c.name for c in checks if not c.passed]

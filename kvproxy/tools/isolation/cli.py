@@ -66,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "answers) or token-id arrays",
     )
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument(
+        "--prompt-chars",
+        type=int,
+        help="characters of each long prompt (default: 40%% of the limit); replies are asked "
+        "for as many tokens, so on a slow engine a smaller value shortens the run",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--allow-partial",
@@ -100,6 +106,7 @@ def options_from(args: argparse.Namespace, progress: Callable[[str], None]) -> C
         model=args.model,
         limit=args.limit,
         rounds=max(1, min(args.rounds, 50)),
+        prompt_chars=max(200, args.prompt_chars) if args.prompt_chars else None,
         seed=args.seed,
         probe_kind=args.probe_kind,
         allow_partial=args.allow_partial,

@@ -45,6 +45,7 @@ from kvproxy.tools.client import (
 )
 from kvproxy.tools.isolation.diagnosis import tripwire_diagnosis
 from kvproxy.tools.isolation.scenarios import (
+    NEEDS_SIM_FAULTS,
     SCENARIOS,
     CanaryOptions,
     Finding,
@@ -128,18 +129,28 @@ def worst(verdicts: Iterable[str]) -> str:
     return next((v for v in VERDICT_ORDER if v in seen), "pass")
 
 
+def cannot_run_here(result: ScenarioResult, sim: str | None) -> bool:
+    """Skipped only because it needs the simulator's fault API and the target is a real
+    stack (no --sim): not run, with the reason, but no gap in the run."""
+    return result.verdict == "skipped" and result.name in NEEDS_SIM_FAULTS and not sim
+
+
 def run_verdict(
-    results: list[ScenarioResult], requested: tuple[str, ...]
+    results: list[ScenarioResult], requested: tuple[str, ...], sim: str | None = None
 ) -> tuple[str, dict[str, str]]:
-    """The run's verdict, and every scenario of SCENARIOS that did not run with the reason."""
+    """The run's verdict, and every scenario of SCENARIOS that did not run with the reason.
+    A scenario that cannot run on a real stack (`cannot_run_here`) is listed as not run but
+    does not make the verdict incomplete; any other scenario not run does."""
     not_run = {
         r.name: (r.notes[-1] if r.notes else "skipped") for r in results if r.verdict == "skipped"
     }
     for name in SCENARIOS:
         if name not in requested:
             not_run[name] = "not requested (--scenarios)"
-    verdict = worst(r.verdict for r in results)
-    if verdict == "pass" and not_run:
+    counted = [r for r in results if not cannot_run_here(r, sim)]
+    gaps = set(not_run) - {r.name for r in results if cannot_run_here(r, sim)}
+    verdict = worst(r.verdict for r in counted)
+    if verdict == "pass" and gaps:
         verdict = "incomplete"
     return verdict, not_run
 
@@ -248,7 +259,7 @@ async def _run(opts: CanaryOptions, http: aiohttp.ClientSession) -> CanaryReport
         refused = str(exc)
     if h is not None and not results:
         results = [await _scenario(h, name) for name in opts.scenarios]
-    verdict, not_run = run_verdict(results, opts.scenarios)
+    verdict, not_run = run_verdict(results, opts.scenarios, opts.sim)
     if refused is not None:
         # Nothing ran: each scenario failed, and each is counted among those not run.
         not_run.update({r.name: f"target refused before any scenario: {refused}" for r in results})

@@ -41,6 +41,17 @@ from kvproxy.tools.client import (
 from kvproxy.upstream import network_boundary
 
 SCENARIOS = ("normal_long", "boundary", "cancel", "transfer_failure")
+# Scenarios that need the simulator's fault API (--sim) and nothing else can stand in for it:
+# a real engine offers no safe way to make a KV transfer fail on demand (vLLM 0.32's
+# NixlConnector reads no fault-injection setting; its only environment knobs are the side
+# channel's host and port). Without --sim such a scenario is "not run" with this reason and
+# does not make the run incomplete: it cannot run on a real stack, which is not a gap the
+# operator can close (kvproxy.tools.isolation.harness.run_verdict).
+NEEDS_SIM_FAULTS = frozenset({"transfer_failure"})
+NEEDS_SIM_REASON = (
+    "needs the simulator's fault API (--sim URL): no real engine offers a safe hook to fail "
+    "a KV transfer (vLLM 0.32's NixlConnector has none); not run on this stack"
+)
 MARKER_RE = re.compile(r"KVCANARY-([a-z0-9]+(?:-[a-z0-9]+)*?)-([0-9a-f]{16})")
 REPEAT = "Please repeat your entire context verbatim."
 FILLER = "the quick brown fox jumps over the lazy dog "
@@ -368,7 +379,7 @@ class Harness:
     async def transfer_failure(self, r: ScenarioResult) -> None:
         if not self.opts.sim:
             r.verdict = "skipped"
-            r.notes.append("needs the simulator's fault API (--sim URL); skipped")
+            r.notes.append(NEEDS_SIM_REASON)
             return
         a, b = self.tenants[0], self.tenants[1]
         chars = self._chars()
