@@ -22,7 +22,7 @@ APT_PKGS := prometheus wrk nginx-light curl redis-server
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE   ?= localhost/kvproxy:$(VERSION)
 
-.PHONY: run test test-slow test-faults faultdeps lint fmt sysdeps smg image dashboard bench bench-peers check-record clean
+.PHONY: run test test-slow test-faults faultdeps lint fmt sysdeps smg image dashboard docs bench bench-peers check-record clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -135,6 +135,13 @@ fmt: $(STAMP)
 
 dashboard: $(STAMP)
 	$(PY) grafana/generate.py
+
+# The reference tables made from the code: every setting (docs/configuration.md, from the
+# fields' docstrings) and every client error code (docs/errors.md, from
+# kvproxy/policy/errors.py). Rerun after adding a setting or an error code; the fast suite
+# fails while they are stale (tests/config/test_doctables.py runs it with --check).
+docs: $(STAMP)
+	$(PY) -m kvproxy.config.doctables
 
 # The bench extra (matplotlib, for bench/long_prompts.png) only where a bench runs.
 BENCH_STAMP := $(VENV)/.installed-bench-$(PYPROJECT_SUM)
