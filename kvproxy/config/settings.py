@@ -14,18 +14,21 @@ Every default here is a safety decision; docs/configuration.md explains each one
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_validator,
@@ -35,6 +38,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from kvproxy.config.models import (
@@ -309,6 +313,20 @@ class Settings(ModelFields, BaseSettings):
     """One JSON log line per request (its route, decision, status and timings; never its
     text)."""
 
+    # Where this object's values came from (load_settings sets it): for errors found after
+    # loading, such as a chat template file that does not open (`where`).
+    _origin: Origin | None = PrivateAttr(default=None)
+
+    def where(self, name: str, value: object = None) -> str:
+        """Where setting `name` was given, for an error message: the flag, the environment
+        variable actually set, or the config file and line; else its environment name.
+        With `value` (never a secret's), the value too: `KVPROXY_X=v`, `FILE line N: v`."""
+        src = (self._origin or Origin()).describe(name)
+        if value is None:
+            return src
+        is_name = src.upper().startswith("KVPROXY_") or src.startswith("--")
+        return f"{src}={value}" if is_name else f"{src}: {value}"
+
     @field_validator("listen", "admin_listen")
     @classmethod
     def _host_port(cls, v: str) -> str:
@@ -449,8 +467,8 @@ class Settings(ModelFields, BaseSettings):
                 return self.redis_password_file.read_text(encoding="utf-8").strip()
             except OSError as exc:
                 raise ConfigError(
-                    f"invalid setting redis_password_file (KVPROXY_REDIS_PASSWORD_FILE): "
-                    f"cannot read it ({type(exc).__name__})"
+                    f"invalid setting redis_password_file ({self.where('redis_password_file')}"
+                    f"): cannot read it ({type(exc).__name__})"
                 ) from None
         return None if self.redis_password is None else self.redis_password.get_secret_value()
 
@@ -496,18 +514,125 @@ class _YamlSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path = _CONFIG_PATH.get() or os.environ.get("KVPROXY_CONFIG")
-        if not path:
-            return {}
-        try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"config file {path}: {exc}".replace("\n", " ")) from exc
-        if data is None:
-            return {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping")
-        return {str(k).lower(): v for k, v in data.items()}
+        path = config_file()
+        return {} if path is None else read_config_file(path)
+
+
+def config_file() -> str | None:
+    """The YAML file of the load being resolved: the one passed, else KVPROXY_CONFIG's."""
+    return _CONFIG_PATH.get() or os.environ.get("KVPROXY_CONFIG") or None
+
+
+def _yaml_error(path: str, exc: yaml.YAMLError) -> ConfigError:
+    """A YAML syntax error as one line naming the file and line (PyYAML's own text names a
+    `<unicode string>` and spans several lines)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path} line {mark.line + 1} column {mark.column + 1}" if mark else path
+    what = " ".join(
+        str(part) for part in (getattr(exc, "context", None), getattr(exc, "problem", None)) if part
+    )
+    return ConfigError(f"config file {where}: {what or type(exc).__name__}")
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The config file's top-level mapping, keys lower-cased (ConfigError: one line)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise _yaml_error(path, exc) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return {str(k).lower(): v for k, v in data.items()}
+
+
+def _yaml_line(path: str, loc: Sequence[str | int]) -> int | None:
+    """The 1-based line of the deepest node of `loc` in the YAML file (None: not found)."""
+    try:
+        node: yaml.Node | None = yaml.compose(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            hits = [(k, v) for k, v in node.value if str(k.value).lower() == str(part).lower()]
+            if not hits:
+                break
+            line, node = hits[0][0].start_mark.line + 1, hits[0][1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                break
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The sources of one `load_settings` call, enough to say where a setting was given:
+    the overrides' keys (flags), the config file; the environment is read when asked."""
+
+    given: frozenset[str] = frozenset()
+    config_path: str | None = None
+
+    def env_name(self, key: str) -> str | None:
+        """The environment variable actually set for `key` (any case, or nested with `__`)."""
+        want = "KVPROXY_" + key.upper()
+        for name in os.environ:
+            upper = name.upper()
+            if upper == want or upper.startswith(want + "__"):
+                return name
+        return None
+
+    def describe(self, key: str, loc: Sequence[str | int] = ()) -> str:
+        """Where `key` (the top-level setting; `loc` the full path within it) came from, by
+        the sources' priority: flag, environment, config file; else its environment name."""
+        if key in self.given:
+            return f"--{key.replace('_', '-')}"
+        env = self.env_name(key)
+        if env is not None:
+            return env
+        if self.config_path is not None:
+            try:
+                in_file = key in read_config_file(self.config_path)
+            except ConfigError:
+                in_file = False
+            if in_file:
+                line = _yaml_line(self.config_path, loc or (key,))
+                return f"{self.config_path} line {line}" if line else self.config_path
+        return "KVPROXY_" + key.upper()
+
+
+def _fields_at(loc: Sequence[str | int]) -> list[str]:
+    """The keys valid where `loc` points: Settings' own at the top, else those of the nested
+    model (an `engines` entry, a `models` entry, ...) the path leads to."""
+    model: type[BaseModel] = Settings
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(str(part))
+        if info is None:
+            return []
+        nested = [
+            a
+            for a in (info.annotation, *get_args(info.annotation))
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def did_you_mean(key: str, loc: Sequence[str | int] = ()) -> str:
+    """The suffix naming the closest valid key to a misspelt one (empty when none is close)."""
+    close = difflib.get_close_matches(key.lower(), _fields_at(loc), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def split_host_port(value: str) -> tuple[str, int]:
@@ -532,14 +657,39 @@ def load_settings(
         load_settings(config_path="kvproxy.yaml", overrides={"max_context": 8192})
     """
     given = {k: v for k, v in {**(overrides or {}), **more}.items() if v is not None}
-    try:
-        with _config_path(config_path):
-            return Settings(**given)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "settings"
-        env = "KVPROXY_" + loc.split(".")[0].upper()
-        msg = f"invalid setting {loc} ({env}): {err['msg']}"
-        if len(exc.errors()) > 1:
-            msg += f" (and {len(exc.errors()) - 1} more)"
-        raise ConfigError(msg) from None
+    with _config_path(config_path):
+        origin = Origin(frozenset(given), config_file())
+        try:
+            settings = Settings(**given)
+        except ValidationError as exc:
+            raise _one_line(exc, origin) from None
+        except SettingsError as exc:
+            raise _env_error(exc, origin) from None
+    settings._origin = origin
+    return settings
+
+
+def _one_line(exc: ValidationError, origin: Origin) -> ConfigError:
+    """The first validation error as one line: the setting (its path), where it was given,
+    what is wrong, and for an unknown key the closest valid one."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    path = ".".join(str(p) for p in loc) or "settings"
+    key = str(loc[0]) if loc else "settings"
+    what = err["msg"]
+    if err["type"] == "extra_forbidden" and loc:
+        what = "unknown key" + did_you_mean(str(loc[-1]), loc[:-1])
+    msg = f"invalid setting {path} ({origin.describe(key, loc)}): {what}"
+    if len(exc.errors()) > 1:
+        msg += f" (and {len(exc.errors()) - 1} more)"
+    return ConfigError(msg)
+
+
+def _env_error(exc: SettingsError, origin: Origin) -> ConfigError:
+    """pydantic-settings could not parse an environment value as JSON (a list or mapping
+    setting such as KVPROXY_ENGINES): one line naming the variable and where JSON broke."""
+    text = str(exc)
+    key = text.split('"')[1] if text.count('"') >= 2 else "settings"
+    cause = exc.__cause__
+    detail = f": {cause}" if cause is not None else ""
+    return ConfigError(f"invalid setting {key} ({origin.describe(key)}): not valid JSON{detail}")
