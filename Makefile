@@ -111,6 +111,8 @@ test: $(STAMP) sysdeps $(SGLANG_PROTOCOL)
 # test at a time: it holds the timing-sensitive end-to-end cases.
 test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
 	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow"
+	# The hostile fuzzers at 1000 examples each (`make test` runs 100: tests/hostile).
+	KVPROXY_FUZZ_EXAMPLES=1000 $(PYTEST) $(PYTEST_ARGS) -m "not slow" -n $(TEST_WORKERS) tests/hostile
 
 # Faults below HTTP (tests/faults/): network namespaces and veth pairs, iptables blackholes
 # and resets, SIGKILL/SIGTERM, fd and body-memory exhaustion, against the simulator and smg
