@@ -22,7 +22,7 @@ APT_PKGS := prometheus wrk nginx-light curl redis-server
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE   ?= localhost/kvproxy:$(VERSION)
 
-.PHONY: run test test-slow test-faults test-real sglang-real faultdeps lint fmt sysdeps smg image dashboard bench bench-peers check-record clean
+.PHONY: run test test-slow test-faults test-real sglang-real faultdeps lint fmt sysdeps smg image dashboard docs bench bench-peers check-record clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -137,6 +137,8 @@ test: $(STAMP) sysdeps $(SGLANG_PROTOCOL)
 # test at a time: it holds the timing-sensitive end-to-end cases.
 test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
 	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow and not real"
+	# The hostile fuzzers at 1000 examples each (`make test` runs 100: tests/hostile).
+	KVPROXY_FUZZ_EXAMPLES=1000 $(PYTEST) $(PYTEST_ARGS) -m "not slow" -n $(TEST_WORKERS) tests/hostile
 
 # Real engines and their own code (marker `real`, collected only under KVPROXY_REAL=1): a real
 # vLLM unified engine and a real vLLM prefill/decode pair with NIXL, kvproxy and its gate in
@@ -173,6 +175,13 @@ fmt: $(STAMP)
 
 dashboard: $(STAMP)
 	$(PY) grafana/generate.py
+
+# The reference tables made from the code: every setting (docs/configuration.md, from the
+# fields' docstrings) and every client error code (docs/errors.md, from
+# kvproxy/policy/errors.py). Rerun after adding a setting or an error code; the fast suite
+# fails while they are stale (tests/config/test_doctables.py runs it with --check).
+docs: $(STAMP)
+	$(PY) -m kvproxy.config.doctables
 
 # The bench extra (matplotlib, for bench/long_prompts.png) only where a bench runs.
 BENCH_STAMP := $(VENV)/.installed-bench-$(PYPROJECT_SUM)

@@ -65,4 +65,4 @@ def build_budget(s: Settings, metrics: Metrics, model: str = IMPLICIT_MODEL) -> 
             ),
         )
     except ValueError as exc:  # a URL option the budget's client cannot honour
-        raise ConfigError(f"invalid setting redis_url (KVPROXY_REDIS_URL): {exc}") from None
+        raise ConfigError(f"invalid setting redis_url ({s.where('redis_url')}): {exc}") from None

@@ -44,15 +44,20 @@ RouterSetting = Literal["auto", "none", "smg", "sglang-router", "vllm-router"]
 class EngineSpec(BaseModel):
     """One engine the capacity monitor polls directly (never through the router)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     url: str
+    """The engine's own HTTP URL (not the router's). A headless Service name expands to one
+    engine per Pod IP."""
     role: Literal["prefill", "decode", "unified"] = "unified"
+    """Its role in the PD pair; `unified` serves both."""
     kind: Literal["sglang", "vllm", "static"] = "sglang"
-    # Only for kind=static: an operator-declared pool, always labelled source="declared".
+    """How it is measured: SGLang's or vLLM's own endpoints, or `static` (not polled: the
+    operator declares its pool in `capacity_tokens`)."""
     capacity_tokens: int | None = Field(default=None, ge=1)
-    # Optional human name for metrics/logs; defaults to the URL's host:port.
+    """Only for `kind: static`: the declared pool, always labelled `source="declared"`."""
     name: str | None = None
+    """A name for metrics and logs; default the URL's host:port."""
 
     @model_validator(mode="after")
     def _static_needs_capacity(self) -> EngineSpec:
@@ -103,17 +108,20 @@ class UpstreamCluster(BaseModel):
     """One PD cluster serving a model (gateway mode): its router, the engines kvproxy
     measures for it alone, and its share of the traffic among the clusters a request fits."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(pattern=CLUSTER_NAME_PATTERN)
+    """The cluster's name: the value of the `upstream` metric label."""
     url: str
+    """Its router's URL (usually a Service)."""
     engines: tuple[EngineSpec, ...] = Field(min_length=1)
-    # The share of traffic among the clusters that fit a request (kvproxy.policy.routing).
+    """The engines kvproxy measures for this cluster alone."""
     weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    # What this cluster's router is; unset: the model's router_kind.
+    """Its share of traffic among the clusters that fit a request (kvproxy.policy.routing)."""
     router_kind: RouterSetting | None = None
-    # Its Redis budget pool; unset: `<model's pool or name>/<cluster name>` (one per pool).
+    """What this cluster's router is; unset: the model's `router_kind`."""
     budget_pool: str | None = Field(default=None, min_length=1, max_length=128)
+    """Its Redis budget pool; unset: `<model's pool or name>/<cluster name>` (one per pool)."""
 
     @field_validator("url")
     @classmethod
@@ -124,36 +132,43 @@ class UpstreamCluster(BaseModel):
 class ModelFields(BaseModel):
     """The settings that belong to one model's engines (the top level or a `models` entry)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     engines: tuple[EngineSpec, ...] = ()
+    """Every prefill and decode engine, polled directly: in PD mode a router's
+    `/server_info` describes the first prefill worker only. In the environment a JSON list
+    (`KVPROXY_ENGINES='[{"url": ..., "role": "prefill"}]'`); fields below."""
     max_context: int | None = Field(default=None, ge=1)
-    # Explicit, operator-owned fallback used only while no measurement is fresh (I3).
+    """The declared context (what the model is served with); the admission limit is the
+    minimum of it and every measured limit."""
     capacity_fallback_limit_tokens: int | None = Field(default=None, ge=1)
-    # auto: exact counts from the engines' own /tokenize when an SGLang or vLLM engine is
-    # configured, else the byte bound (`effective_tokenizer`). Why not `bytes`: the bound is
-    # safe (it never admits above the limit) but it is an upper bound, so it refuses legal
-    # prompts (with Qwen-3, English text is admitted up to 20.9 % of the limit:
-    # bench/tokenizer_reach.py), and the product's own checks (`kvproxy check`'s "limit
-    # reachable", `kvproxy canary`'s boundary) then fail on a correct deployment; the
-    # engine's /tokenize is exact with no tokenizer files in the sidecar and is asked only
-    # when the bound cannot admit a prompt (its bytes exceed the limit: with a real
-    # tokenizer, prompts above about a fifth of the limit). On SGLang it counts chat
-    # exactly only with `chat_template` set (its /tokenize does not apply the template;
-    # vLLM's does); without, a chat near the limit is decided by an upper count.
-    # `count_timeout_s` bounds each ask; an engine that cannot answer fails the request
-    # closed (503 token_count_unavailable), never admits it.
+    """An explicit, operator-owned limit used only while no measurement is fresh; unset,
+    requests are refused then (503 `capacity_unknown`, I3)."""
     tokenizer: str = "auto"
+    """How prompts are counted. `auto`: the engines' own `/tokenize` when an SGLang or vLLM
+    engine is configured (exact, asked only for prompts the byte bound cannot admit), else
+    `bytes`. `hf:PATH`, `tiktoken:PATH`: local and exact (counting.md). `engine`: always
+    `/tokenize`. `bytes`: a guaranteed bound only, which refuses legal prompts (English with
+    Qwen-3 is admitted up to ~21 % of the limit) so the gate's "limit reachable" fails. On
+    SGLang, chats are exact only with `chat_template` set (its `/tokenize` does not apply
+    the template; vLLM's does). An engine that cannot answer in `count_timeout_s` fails
+    the request closed (503 `token_count_unavailable`)."""
     chat_template: str | None = None
+    """A Jinja chat template file, for counting chats when the tokenizer's own config has
+    none (or for SGLang's `/tokenize`, which does not apply one)."""
     max_inflight_prompt_tokens: int | None = Field(default=None, ge=1)
+    """In-flight budget in prompt tokens: a request is charged every sequence of its batch
+    once per sample (`n`, `best_of`), and a deferred request keeps its share until its
+    upstream is closed. Unset: no budget."""
     max_inflight_requests: int | None = Field(default=None, ge=1)
-    # The Redis budget's pool: one per engine pool; unset, the model's name ("default" for
-    # the single-model form), so replicas in front of the same engines share it.
+    """In-flight budget in requests (deferred ones included). Unset: no bound."""
     budget_pool: str | None = Field(default=None, min_length=1, max_length=128)
-    # Gateway mode: several PD clusters for this model, each measured on its own (its own
-    # `engines`, so none at this level) and picked per request by fit, then load
-    # (kvproxy.policy.routing). Unset: one cluster, `IMPLICIT_CLUSTER`, of `engines`.
+    """The Redis budget's pool, one per engine pool; unset, the model's name (`default` in
+    the single-model form), so replicas in front of the same engines share it."""
     upstreams: tuple[UpstreamCluster, ...] = ()
+    """Gateway mode: several PD clusters for this model, each with its own engines (so none
+    at this level), picked per request by fit, then load (gateway.md). Unset: one cluster
+    of `upstream` and `engines`."""
 
     @field_validator("tokenizer")
     @classmethod
@@ -190,14 +205,16 @@ class ModelSpec(ModelFields):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
     name: str = Field(pattern=NAME_PATTERN)
+    """What clients send in `model` (exact, case-sensitive); also the `model` metric label."""
     aliases: tuple[str, ...] = ()
-    # Its own router; unset: the top-level `upstream` (one router serving every model).
+    """Other names the router serves for this model's workers (forwarded unchanged)."""
     upstream: str | None = None
-    # What that router is; unset: the top-level `router_kind`.
+    """Its own router; unset: the top-level `upstream` (one router serving every model)."""
     router_kind: RouterSetting | None = None
-    # The header whose value is hashed over the candidate clusters; unset: the top-level
-    # `affinity_header`.
+    """What that router is; unset: the top-level `router_kind`."""
     affinity_header: str | None = Field(default=None, pattern=HEADER_NAME_PATTERN)
+    """The header hashed over its candidate clusters; unset: the top-level
+    `affinity_header`."""
 
     @field_validator("aliases")
     @classmethod

@@ -14,18 +14,21 @@ Every default here is a safety decision; docs/configuration.md explains each one
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_validator,
@@ -35,6 +38,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from kvproxy.config.models import (
@@ -70,12 +74,15 @@ def usable_cpus() -> int:
 class CanaryTenant(BaseModel):
     """Markers that belong to one tenant; seeing them in another tenant's reply is a leak."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     tenant: str = Field(min_length=1, max_length=64)
+    """The tenant the markers belong to."""
     markers: tuple[str, ...] = ()
-    # Regular expressions, e.g. "KVCANARY-acme-[0-9a-f]{16}".
+    """Literal marker strings."""
     patterns: tuple[str, ...] = ()
+    """Regular expressions, e.g. `KVCANARY-acme-[0-9a-f]{16}` (no anchors or lookaround:
+    text is scanned through windows)."""
 
 
 class Settings(ModelFields, BaseSettings):
@@ -89,157 +96,236 @@ class Settings(ModelFields, BaseSettings):
         frozen=True,
         extra="forbid",
         case_sensitive=False,
+        # Each field's docstring is its description: docs/configuration.md's table is made
+        # from them (`make docs`, kvproxy.config.doctables).
+        use_attribute_docstrings=True,
     )
 
     # --- network -------------------------------------------------------------------------
     listen: str = "0.0.0.0:8080"
+    """HOST:PORT of the public port, the only one the Service exposes to clients."""
     admin_listen: str = "0.0.0.0:9090"
+    """HOST:PORT of `/metrics`, `/healthz`, `/readyz`, `/capacity`: never expose it publicly
+    (the NetworkPolicy admits Prometheus and the release gate only)."""
     upstream: str = "http://127.0.0.1:8000"
-    # Request bodies: 1M-token prompts are ~4-16 MiB of JSON; 32 MiB leaves room.
+    """The PD router in the same Pod (or an engine, `router_kind: none`)."""
     max_body_bytes: int = Field(default=32 * MIB, ge=1024)
-    # A client must deliver its whole body within this time (slowloris guard).
+    """Largest request body: a 1M-token prompt is 4-16 MiB of JSON. Oversize gets 413 on
+    Content-Length, before reading; a `gzip`/`deflate` body is bounded again as it is
+    inflated (zip bombs), then forwarded decoded (other codings: 415)."""
     body_read_timeout_s: float = Field(default=60.0, gt=0)
-    # ...and its first request's headers within this time of connecting.
+    """A client must deliver its whole body within this time, or get 408 (slowloris)."""
     header_read_timeout_s: float = Field(default=30.0, gt=0)
-    # A request head (request line and header lines) past either bound gets 431 and is never
-    # forwarded. Envoy's defaults (max_request_headers_kb 60, max_headers_count 100); aiohttp
-    # refuses a line over 8,190 bytes or more than 128 fields by itself (400).
+    """A connection that has not sent one complete request head by then is closed (aiohttp
+    has no header timeout of its own)."""
     max_request_head_bytes: int = Field(default=60 * 1024, ge=1024)
+    """A request head (request line and fields) past this gets 431 and is never forwarded.
+    Envoy's default (max_request_headers_kb 60); aiohttp bounds only each line (8,190 bytes)."""
     max_request_headers: int = Field(default=100, ge=1, le=128)
-    # X-Forwarded-For gets the peer's address appended. Set, the number of proxies in front
-    # of kvproxy that append to it: only their addresses are kept (0: only the peer's, and
-    # the client's Forwarded / X-Real-IP / X-Forwarded-* are dropped). docs/routes.md "Headers".
+    """Header fields per request; past it, 431 (Envoy's max_headers_count; aiohttp refuses
+    more than 128 by itself)."""
     forwarded_trusted_hops: int | None = Field(default=None, ge=0, le=16)
+    """`X-Forwarded-For` gets the peer's address appended. Set, the number of proxies in front
+    of kvproxy that append to it: only their addresses are kept (0: only the peer's, and the
+    client's Forwarded / X-Real-IP / X-Forwarded-* are dropped). See routes.md, Headers."""
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
-    # Worst time between two upstream reads: a 1M-token prefill can take minutes before the
-    # first byte; the router sends nothing meanwhile.
+    """The router is in the same Pod: a connect that takes longer is a dead router (502)."""
     upstream_read_timeout_s: float = Field(default=900.0, gt=0)
-    # Shorter than the router's idle keep-alive so we never POST on a connection the router
-    # is closing (aiohttp does not retry a POST that hit ServerDisconnectedError).
+    """The longest silence between upstream bytes (504 after it): a 1M-token prefill sends
+    nothing for minutes before its first byte."""
     upstream_keepalive_s: float = Field(default=15.0, gt=0)
+    """Idle upstream connections are closed after this: shorter than the router's idle
+    timeout, so kvproxy never POSTs on a connection the router is closing (aiohttp does not
+    retry such a POST)."""
     upstream_max_connections: int = Field(default=1024, ge=1)
-    # The longest the router may take no request-body bytes (nginx's proxy_send_timeout).
+    """Connections open to the router (per upstream) at once; a request beyond it waits for
+    one to free up."""
     upstream_send_timeout_s: float = Field(default=60.0, gt=0)
-    # An upstream response head (status line, header lines, interim heads) past either bound
-    # is a 502. Envoy's defaults (60 KiB, 100 fields); a router's head is under 1 KiB.
+    """The longest the router may take no request-body bytes (nginx's `proxy_send_timeout`)."""
     upstream_max_head_bytes: int = Field(default=60 * 1024, ge=1024)
+    """An upstream response head (status line, fields, interim heads) past this is a 502
+    (Envoy's default; a router's head is under 1 KiB)."""
     upstream_max_headers: int = Field(default=100, ge=1)
-    # Gateway mode (`upstreams`): a cluster whose router refused a connection or answered
-    # 5xx gets no request for this long while another cluster fits it, doubling per
-    # consecutive ejection up to the max (Envoy's outlier detection: base_ejection_time 30 s,
-    # max_ejection_time 300 s; shorter here because the capacity probes watch the engines
-    # too, and a cluster of one router has no other host to absorb its share).
+    """Header fields of an upstream response head; past it, a 502 (Envoy's default)."""
     upstream_eject_s: float = Field(default=10.0, gt=0)
+    """Gateway mode (`upstreams`): a cluster whose router refused a connection or answered
+    5xx gets no request for this long while another cluster fits it, doubling per
+    consecutive ejection up to `upstream_eject_max_s` (Envoy's outlier detection, shorter:
+    the capacity probes watch the engines too)."""
     upstream_eject_max_s: float = Field(default=120.0, gt=0)
-    # The header whose value is hashed over a model's candidate clusters (rendezvous
-    # hashing: a conversation keeps its prefix cache); a models entry may name its own.
+    """The longest ejection of a failing cluster (Envoy's max_ejection_time is 300 s)."""
     affinity_header: str | None = Field(default=None, pattern=HEADER_NAME_PATTERN)
+    """Gateway mode: the header whose value is hashed over a model's candidate clusters
+    (rendezvous hashing: a conversation keeps its prefix cache); a models entry may name
+    its own."""
     shutdown_grace_s: float = Field(default=30.0, ge=0)
-    # Overload shedding (kvproxy.serve.overload), both answered 503 `overloaded`. Public
-    # connections open at once; 0 derives it from the soft fd limit (an upstream connection
-    # per public one, 64 descriptors kept for the rest).
+    """After SIGTERM, in-flight requests and deferred cancellations get this long (the
+    Pod's terminationGracePeriodSeconds must cover it, deploy/README.md)."""
     max_connections: int = Field(default=0, ge=0)
-    # Bytes of request bodies being read or counted at once (counting multiplies a body's
-    # memory: JSON, the rendered chat, the tokenizer's encoding). At least max_body_bytes;
-    # 48 MiB is one largest body and room for 4 MB prompts to be counted 4 at a time.
+    """Public connections open at once before 503 `overloaded`; 0 derives it from the soft
+    fd limit (an upstream connection per public one, 64 descriptors kept for the rest)."""
     max_body_memory_bytes: int = Field(default=48 * MIB, ge=1024)
-    # How long a body waits for room before its 503 (queued, first come first served).
+    """Bytes of request bodies read or counted at once (counting multiplies a body's memory:
+    JSON, the rendered chat, the encoding); beyond it 503 `overloaded`. At least
+    `max_body_bytes`: 48 MiB is one largest body and room for 4 MB prompts 4 at a time."""
     body_memory_wait_s: float = Field(default=5.0, ge=0)
+    """How long a body waits (first come, first served) for `max_body_memory_bytes` room
+    before its 503."""
 
     # --- capacity (the engines and declared context: ModelFields) -------------------------
     capacity_refresh_s: float = Field(default=10.0, gt=0)
+    """How often every engine's pool is measured."""
     capacity_stale_s: float = Field(default=60.0, gt=0)
+    """A measurement older than this counts as unknown: fail closed (503 `capacity_unknown`,
+    `/readyz` 503). At least `capacity_refresh_s`."""
     capacity_probe_timeout_s: float = Field(default=5.0, gt=0)
+    """Bound on one engine measurement (and on detecting the router)."""
     limit_margin_tokens: int = Field(default=0, ge=0)
+    """Tokens taken off the measured limit as a safety margin (what a 400 names as
+    "minus a N-token safety margin"); `kvproxy check` applies the same."""
 
     # --- engine posture (kvproxy.posture) ---------------------------------------------------
-    # The operator's own advisories (same schema as the shipped table), entries accepted by
-    # id (listed in /capacity, the release record and the start log), and whether an active
-    # unaccepted high-severity finding takes the proxy out of rotation (/readyz 503).
     advisories_file: str | None = None
+    """The operator's own engine advisories, same schema as the shipped table (release-gate.md,
+    posture)."""
     accept_advisories: tuple[str, ...] = ()
+    """Advisory ids accepted: listed in `/capacity`, the release record and the start log,
+    but no longer blocking."""
     posture_action: Literal["warn", "not_ready"] = "warn"
+    """What an active, unaccepted high-severity finding does: `warn` logs and reports it;
+    `not_ready` also takes the proxy out of rotation (`/readyz` 503)."""
 
     # --- tokens and admission (the tokenizer and chat template: ModelFields) -------------
-    # What sits between kvproxy and the engines: it decides which request features the
-    # exact count is verified for (kvproxy.tokens.verified). auto probes the upstream
-    # (kvproxy.capacity.router); until that succeeds, only what holds behind every router
-    # is verified. A models entry may name its own.
     router_kind: RouterSetting = "auto"
+    """What sits between kvproxy and the engines: `smg`, `sglang-router`, `vllm-router`,
+    `none` (the upstream is an engine) or `auto` (probed; until that succeeds only what
+    holds behind every router is verified). It decides which request features the exact
+    count may admit (kvproxy.tokens.verified); per model as `models[].router_kind`."""
     count_timeout_s: float = Field(default=10.0, gt=0)
-    # What counts an `hf:` tokenizer. fastokens: ~20x faster exact counts of long prompts,
-    # its tables ~120 MB resident for Qwen-3 once it has encoded; hf: HF tokenizers alone,
-    # ~60 MB for the same tokenizer (a sidecar under a 150 MB memory limit), every exact
-    # count ~20x slower (bench/RESULTS.md, Memory). Both count the same (the start-up check
-    # holds fastokens to HF; HF is the reference).
+    """Bound on counting one prompt (an engine's `/tokenize`, or the local tokenizer's
+    queue); past it the request fails closed with 503 `token_count_unavailable`."""
     tokenizer_backend: Literal["fastokens", "hf"] = "fastokens"
-    # Counts at once: one per core this process may use, at most 2. Measured on one core
-    # (bench/PROFILE-LONG.md): a second count thread there doubled the CPU per 100k-token
-    # prompt at concurrency 16 (8.8-9.2 ms vs 4.8-5.5 ms) and tripled its p99.
-    count_concurrency: int = Field(default_factory=lambda: min(2, usable_cpus()), ge=1)
+    """What counts an `hf:` tokenizer: `fastokens` (exact counts of long prompts ~20x
+    faster; Qwen-3 resident ~205 MB in all) or `hf` (HF `tokenizers` alone: ~120 MB in all,
+    for a sidecar under a 150 MB limit, every exact count ~20x slower). Both count the same:
+    the start-up check holds fastokens to HF (operating.md, memory)."""
+    count_concurrency: int = Field(
+        default_factory=lambda: min(2, usable_cpus()),
+        ge=1,
+        json_schema_extra={"doc_default": "usable CPUs, at most 2"},
+    )
+    """Prompts counted at once. One per core this process may use, at most 2: on one core a
+    second count thread doubled the CPU per 100k-token prompt (bench/PROFILE-LONG.md)."""
     image_tokens: int = Field(default=16384, ge=0)
+    """Tokens the guaranteed bound assumes per image in a request (its real count is the
+    engine's); a prompt whose bound with them exceeds the limit is counted exactly."""
     audio_tokens: int = Field(default=16384, ge=0)
+    """Tokens the guaranteed bound assumes per audio clip, as `image_tokens`."""
     decode_policy: Literal["reject", "clamp"] = "reject"
-    # Output assumed when a request names no max_tokens (decode needs room for >= 1 token).
+    """A request whose prompt plus requested output overflows the decode pool: `reject`
+    (400 `context_length_exceeded`, reason decode_budget) or `clamp` (its max_tokens cut to
+    what decode holds)."""
     default_output_tokens: int = Field(default=1, ge=1)
+    """Output assumed per sample when a request names no max_tokens (decode needs room for at
+    least one token)."""
 
     # --- deferred cancellation -----------------------------------------------------------
     drain_until: Literal["first_token", "completion"] = "first_token"
-    # SGLang's bootstrap/waiting timeouts are 300 s: after that the engine has given up the
-    # transfer itself, so waiting longer buys nothing and shorter may cut a live transfer.
+    """After the client left, how long the upstream stays open: `first_token` (it proves
+    decode holds the KV) or `completion` (the whole response)."""
     drain_timeout_s: float = Field(default=300.0, gt=0)
-    # The budget's size and pool: ModelFields.
+    """The longest a deferred cancellation waits: SGLang's bootstrap/waiting timeouts are
+    300 s, after which the engine gives the transfer up itself; shorter may cut a live one
+    (see "Why the drain timeout is 300 s")."""
     queue_timeout_s: float = Field(default=30.0, ge=0)
+    """How long a request waits for in-flight budget before its 429."""
     queue_max_waiters: int = Field(default=1024, ge=0)
-    # Where the budget lives. local: this replica alone (N replicas may over-commit N-fold);
-    # redis: one budget for every replica in front of the same engines (kvproxy.budget.cluster).
+    """Requests waiting for budget at once (per replica); beyond it, 429 at once."""
     budget_backend: Literal["local", "redis"] = "local"
-    # redis://, rediss:// (TLS) or unix://. May carry a password; it is never logged.
+    """Where the in-flight budget lives: `local` (this replica alone: N replicas may
+    over-commit N-fold) or `redis` (one budget for every replica in front of the same
+    engines, kvproxy.budget.cluster)."""
     redis_url: SecretStr | None = None
-    # The password apart from the URL: a file (a mounted Secret) or KVPROXY_REDIS_PASSWORD.
+    """`redis://`, `rediss://` (TLS) or `unix://`; may carry a password (never logged)."""
     redis_password_file: Path | None = None
+    """A file holding the Redis password (a mounted Secret); wins over `redis_password`."""
     redis_password: SecretStr | None = None
+    """The Redis password (`KVPROXY_REDIS_PASSWORD` from a Secret); never logged."""
     redis_tls_ca_file: Path | None = None
+    """CA bundle for `rediss://`."""
     redis_key_prefix: str = Field(default="kvproxy:budget", min_length=1)
-    # A dead replica's leases come back after this long; live ones are renewed every third.
+    """Prefix of every Redis key the budget uses."""
     redis_lease_ttl_s: float = Field(default=15.0, ge=0.3)
-    # A Redis call slower than this counts as Redis unavailable.
+    """A dead replica's leases come back after this long; live ones are renewed every third."""
     redis_timeout_s: float = Field(default=0.5, gt=0)
+    """A Redis call slower than this counts as Redis unavailable."""
     redis_unavailable: Literal["local_share", "reject"] = "local_share"
-    # local_share enforces budget / this on each replica while Redis is unavailable.
+    """While Redis is unavailable: `local_share` (each replica enforces
+    budget / `budget_expected_replicas`) or `reject` (503 `budget_unavailable`)."""
     budget_expected_replicas: int = Field(default=1, ge=1)
+    """The replica count `local_share` divides the budget by (keep it at the replica count,
+    or the HPA's minReplicas)."""
 
     # --- tenants and canaries ------------------------------------------------------------
     tenant_header: str = "X-Tenant-ID"
+    """The header naming a request's tenant (read only with `trust_tenant_header`)."""
     trust_tenant_header: bool = False
-    # bearer-token -> tenant map; tokens never appear in logs or labels.
+    """Believe `tenant_header`: only behind an authenticating gateway; otherwise it is
+    stripped and the tenant comes from the bearer token."""
     tenant_tokens: dict[str, str] = Field(default_factory=dict)
+    """Bearer token -> tenant. A secret: inject `KVPROXY_TENANT_TOKENS` from a Secret; tokens
+    never appear in logs or labels."""
     tenant_hash_salt: str = "kvproxy"
+    """Key of the HMAC that turns an unmapped bearer token into its anonymous tenant id
+    (`anon-` and 8 hex digits, in logs and the tripwire): set your own so ids cannot be
+    matched to tokens elsewhere."""
     canaries: tuple[CanaryTenant, ...] = ()
+    """Each tenant's markers; one seen in another tenant's response is a leak (the tripwire,
+    see "Tenants and the canary tripwire")."""
     canary_action: Literal["block", "observe"] = "block"
+    """On a tripwire hit: `block` (cut the stream / answer 502 `canary_violation`) or
+    `observe` (count only)."""
 
     # --- routes --------------------------------------------------------------------------
-    # Extra routes forwarded WITHOUT counting ("/path", "GET /path", "GET,HEAD /prefix/*"),
-    # on top of the built-in read-only ones. Their bodies reach the upstream unexamined:
-    # list only routes that cannot carry a prompt to a KV cache (kvproxy.policy.routes).
     passthrough_routes: tuple[str, ...] = ()
+    """Extra routes forwarded WITHOUT counting (`"/path"`, `"GET /path"`,
+    `"GET,HEAD /prefix/*"`), on top of the built-in read-only ones. Their bodies reach the
+    upstream unexamined: list only routes that cannot carry a prompt to a KV cache
+    (routes.md)."""
 
     # --- several models (kvproxy.config.models) ------------------------------------------
-    # Empty: the settings above are one model that matches every name (the single-model
-    # form). Otherwise each entry owns its engines, tokenizer, template, limits and budget,
-    # and a request is counted and admitted against the entry its `model` names.
     models: tuple[ModelSpec, ...] = ()
-    # The entry for a request that names no model (SGLang /generate has no `model` field)
-    # or a name no entry matches; unset, those get 404 model_not_found.
+    """Several models, each with its own engines, tokenizer, template, limits and budget; a
+    request is counted against the entry its `model` names. Empty: the top-level settings
+    are one model that matches every name (see "Several models behind one kvproxy")."""
     default_model: str | None = None
-    # /readyz with several models. any: ready while at least one model has fresh capacity
-    # (the others answer 503 capacity_unknown per request); all: ready only when every
-    # model has (one model's outage takes every model out of the Service).
+    """The entry for a request that names no model (SGLang's /generate) or an unknown one;
+    unset, those get 404 `model_not_found`."""
     readiness: Literal["any", "all"] = "any"
+    """`/readyz` with several models: `any` (ready while one model has fresh capacity; the
+    others answer 503 per request) or `all` (every model measured)."""
 
     # --- logging -------------------------------------------------------------------------
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Level of kvproxy's log (JSON lines on stderr; prompts and completions are never
+    logged)."""
     access_log: bool = True
+    """One JSON log line per request (its route, decision, status and timings; never its
+    text)."""
+
+    # Where this object's values came from (load_settings sets it): for errors found after
+    # loading, such as a chat template file that does not open (`where`).
+    _origin: Origin | None = PrivateAttr(default=None)
+
+    def where(self, name: str, value: object = None) -> str:
+        """Where setting `name` was given, for an error message: the flag, the environment
+        variable actually set, or the config file and line; else its environment name.
+        With `value` (never a secret's), the value too: `KVPROXY_X=v`, `FILE line N: v`."""
+        src = (self._origin or Origin()).describe(name)
+        if value is None:
+            return src
+        is_name = src.upper().startswith("KVPROXY_") or src.startswith("--")
+        return f"{src}={value}" if is_name else f"{src}: {value}"
 
     @field_validator("listen", "admin_listen")
     @classmethod
@@ -381,8 +467,8 @@ class Settings(ModelFields, BaseSettings):
                 return self.redis_password_file.read_text(encoding="utf-8").strip()
             except OSError as exc:
                 raise ConfigError(
-                    f"invalid setting redis_password_file (KVPROXY_REDIS_PASSWORD_FILE): "
-                    f"cannot read it ({type(exc).__name__})"
+                    f"invalid setting redis_password_file ({self.where('redis_password_file')}"
+                    f"): cannot read it ({type(exc).__name__})"
                 ) from None
         return None if self.redis_password is None else self.redis_password.get_secret_value()
 
@@ -428,18 +514,125 @@ class _YamlSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path = _CONFIG_PATH.get() or os.environ.get("KVPROXY_CONFIG")
-        if not path:
-            return {}
-        try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"config file {path}: {exc}".replace("\n", " ")) from exc
-        if data is None:
-            return {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping")
-        return {str(k).lower(): v for k, v in data.items()}
+        path = config_file()
+        return {} if path is None else read_config_file(path)
+
+
+def config_file() -> str | None:
+    """The YAML file of the load being resolved: the one passed, else KVPROXY_CONFIG's."""
+    return _CONFIG_PATH.get() or os.environ.get("KVPROXY_CONFIG") or None
+
+
+def _yaml_error(path: str, exc: yaml.YAMLError) -> ConfigError:
+    """A YAML syntax error as one line naming the file and line (PyYAML's own text names a
+    `<unicode string>` and spans several lines)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path} line {mark.line + 1} column {mark.column + 1}" if mark else path
+    what = " ".join(
+        str(part) for part in (getattr(exc, "context", None), getattr(exc, "problem", None)) if part
+    )
+    return ConfigError(f"config file {where}: {what or type(exc).__name__}")
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The config file's top-level mapping, keys lower-cased (ConfigError: one line)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise _yaml_error(path, exc) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return {str(k).lower(): v for k, v in data.items()}
+
+
+def _yaml_line(path: str, loc: Sequence[str | int]) -> int | None:
+    """The 1-based line of the deepest node of `loc` in the YAML file (None: not found)."""
+    try:
+        node: yaml.Node | None = yaml.compose(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            hits = [(k, v) for k, v in node.value if str(k.value).lower() == str(part).lower()]
+            if not hits:
+                break
+            line, node = hits[0][0].start_mark.line + 1, hits[0][1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                break
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The sources of one `load_settings` call, enough to say where a setting was given:
+    the overrides' keys (flags), the config file; the environment is read when asked."""
+
+    given: frozenset[str] = frozenset()
+    config_path: str | None = None
+
+    def env_name(self, key: str) -> str | None:
+        """The environment variable actually set for `key` (any case, or nested with `__`)."""
+        want = "KVPROXY_" + key.upper()
+        for name in os.environ:
+            upper = name.upper()
+            if upper == want or upper.startswith(want + "__"):
+                return name
+        return None
+
+    def describe(self, key: str, loc: Sequence[str | int] = ()) -> str:
+        """Where `key` (the top-level setting; `loc` the full path within it) came from, by
+        the sources' priority: flag, environment, config file; else its environment name."""
+        if key in self.given:
+            return f"--{key.replace('_', '-')}"
+        env = self.env_name(key)
+        if env is not None:
+            return env
+        if self.config_path is not None:
+            try:
+                in_file = key in read_config_file(self.config_path)
+            except ConfigError:
+                in_file = False
+            if in_file:
+                line = _yaml_line(self.config_path, loc or (key,))
+                return f"{self.config_path} line {line}" if line else self.config_path
+        return "KVPROXY_" + key.upper()
+
+
+def _fields_at(loc: Sequence[str | int]) -> list[str]:
+    """The keys valid where `loc` points: Settings' own at the top, else those of the nested
+    model (an `engines` entry, a `models` entry, ...) the path leads to."""
+    model: type[BaseModel] = Settings
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(str(part))
+        if info is None:
+            return []
+        nested = [
+            a
+            for a in (info.annotation, *get_args(info.annotation))
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def did_you_mean(key: str, loc: Sequence[str | int] = ()) -> str:
+    """The suffix naming the closest valid key to a misspelt one (empty when none is close)."""
+    close = difflib.get_close_matches(key.lower(), _fields_at(loc), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def split_host_port(value: str) -> tuple[str, int]:
@@ -464,14 +657,39 @@ def load_settings(
         load_settings(config_path="kvproxy.yaml", overrides={"max_context": 8192})
     """
     given = {k: v for k, v in {**(overrides or {}), **more}.items() if v is not None}
-    try:
-        with _config_path(config_path):
-            return Settings(**given)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "settings"
-        env = "KVPROXY_" + loc.split(".")[0].upper()
-        msg = f"invalid setting {loc} ({env}): {err['msg']}"
-        if len(exc.errors()) > 1:
-            msg += f" (and {len(exc.errors()) - 1} more)"
-        raise ConfigError(msg) from None
+    with _config_path(config_path):
+        origin = Origin(frozenset(given), config_file())
+        try:
+            settings = Settings(**given)
+        except ValidationError as exc:
+            raise _one_line(exc, origin) from None
+        except SettingsError as exc:
+            raise _env_error(exc, origin) from None
+    settings._origin = origin
+    return settings
+
+
+def _one_line(exc: ValidationError, origin: Origin) -> ConfigError:
+    """The first validation error as one line: the setting (its path), where it was given,
+    what is wrong, and for an unknown key the closest valid one."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    path = ".".join(str(p) for p in loc) or "settings"
+    key = str(loc[0]) if loc else "settings"
+    what = err["msg"]
+    if err["type"] == "extra_forbidden" and loc:
+        what = "unknown key" + did_you_mean(str(loc[-1]), loc[:-1])
+    msg = f"invalid setting {path} ({origin.describe(key, loc)}): {what}"
+    if len(exc.errors()) > 1:
+        msg += f" (and {len(exc.errors()) - 1} more)"
+    return ConfigError(msg)
+
+
+def _env_error(exc: SettingsError, origin: Origin) -> ConfigError:
+    """pydantic-settings could not parse an environment value as JSON (a list or mapping
+    setting such as KVPROXY_ENGINES): one line naming the variable and where JSON broke."""
+    text = str(exc)
+    key = text.split('"')[1] if text.count('"') >= 2 else "settings"
+    cause = exc.__cause__
+    detail = f": {cause}" if cause is not None else ""
+    return ConfigError(f"invalid setting {key} ({origin.describe(key)}): not valid JSON{detail}")

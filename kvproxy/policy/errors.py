@@ -468,3 +468,122 @@ def upstream_failure(kind: NetworkKind, cause: str = "") -> UpstreamFailure:
 def upstream_bad_response(detail: str) -> UpstreamFailure:
     message = f"the router sent a malformed response ({detail})"
     return replace(upstream_failure("protocol", detail), message=message)
+
+
+# --- what a client is told about each code (docs/errors.md is made from this) --------------
+
+
+@dataclass(frozen=True)
+class ClientGuide:
+    """One row of the client error table: when kvproxy answers the code, and what a client
+    should do about it. Every code a constructor above can produce has one
+    (tests/policy/test_error_table.py); `make docs` writes them into docs/errors.md."""
+
+    when: str
+    action: str
+
+
+CLIENT_GUIDE: dict[str, ClientGuide] = {
+    "context_length_exceeded": ClientGuide(
+        "the prompt (or prompt plus requested output, `max_tokens` x `n`) is over what the "
+        "engines' measured KV pools hold; `limit_tokens`, `prompt_tokens` and `limit_source` "
+        "say by how much, `count_reason` when a bound decided. Nothing reached the engines.",
+        "shorten the prompt or lower `max_tokens`; retrying unchanged fails the same way.",
+    ),
+    "invalid_request": ClientGuide(
+        "the body is not a request kvproxy can count (not JSON, a field of the wrong type, a "
+        "batch it cannot size).",
+        "fix the request; `param` names the field when there is one.",
+    ),
+    "request_too_large": ClientGuide(
+        "the body is over `max_body_bytes` (by Content-Length, or as it is read or inflated).",
+        "send a smaller body; do not retry unchanged.",
+    ),
+    "malformed_request": ClientGuide(
+        "the HTTP request itself is malformed (framing, header syntax).",
+        "fix the client or its HTTP library; do not retry unchanged.",
+    ),
+    "request_header_fields_too_large": ClientGuide(
+        "the request head is over `max_request_head_bytes` or `max_request_headers`.",
+        "send fewer or smaller headers.",
+    ),
+    "unsupported_content_encoding": ClientGuide(
+        "the body's Content-Encoding is not one kvproxy decodes (`Accept-Encoding` lists "
+        "those it does).",
+        "send the body uncompressed or in a listed coding.",
+    ),
+    "request_timeout": ClientGuide(
+        "the body did not arrive within `body_read_timeout_s`; the connection is closed.",
+        "retry on a new connection; check the client's upload speed.",
+    ),
+    "capacity_unknown": ClientGuide(
+        "no fresh measurement of the engines' KV pools (an engine unreachable, or "
+        "measurements older than `capacity_stale_s`): kvproxy fails closed.",
+        "retry after `Retry-After` seconds, preferably on another replica.",
+    ),
+    "token_count_unavailable": ClientGuide(
+        "the prompt could not be counted within `count_timeout_s` (the engine's `/tokenize` "
+        "did not answer): kvproxy fails closed.",
+        "retry after `Retry-After` seconds.",
+    ),
+    "inflight_budget_exceeded": ClientGuide(
+        "the in-flight budget (`max_inflight_prompt_tokens` / `max_inflight_requests`) "
+        "stayed full for `queue_timeout_s`, or `queue_max_waiters` were already waiting.",
+        "retry after `Retry-After` seconds, with backoff.",
+    ),
+    "budget_unavailable": ClientGuide(
+        "the shared budget's Redis is unavailable and the operator chose "
+        "`redis_unavailable: reject`.",
+        "retry after `Retry-After` seconds.",
+    ),
+    "shutting_down": ClientGuide(
+        "this replica received SIGTERM and takes no new requests.",
+        "retry at once; the connection is closed, so a new one reaches another replica.",
+    ),
+    "overloaded": ClientGuide(
+        "shed at the door: too many connections (`max_connections`) or too many body bytes "
+        "being read or counted (`max_body_memory_bytes`).",
+        "retry after `Retry-After` seconds, with backoff.",
+    ),
+    "method_not_allowed": ClientGuide(
+        "an inference route was called with a method other than POST.",
+        "use POST.",
+    ),
+    "route_not_found": ClientGuide(
+        "the path is neither an inference route nor a listed pass-through route: kvproxy "
+        "does not forward what it cannot count.",
+        "use an OpenAI or SGLang inference route, or ask the operator to list the route "
+        "(`passthrough_routes`).",
+    ),
+    "model_not_found": ClientGuide(
+        "with a `models` config, the request's `model` names no configured model and no "
+        "`default_model` is set (the OpenAI SDK raises NotFoundError).",
+        "use a name `/v1/models` lists.",
+    ),
+    "canary_violation": ClientGuide(
+        "the response carried another tenant's canary marker and `canary_action: block` "
+        "withheld it (or cut the stream with an error event).",
+        "do not retry blindly: report it to the operator, it is a cross-tenant leak.",
+    ),
+    "internal_error": ClientGuide(
+        "kvproxy itself failed on this request (logged with its request id).",
+        "retry once; report it if it persists.",
+    ),
+    "upstream_timeout": ClientGuide(
+        "the router sent nothing for `upstream_read_timeout_s`.",
+        "retry later; a very long prompt may need the operator to raise the timeout.",
+    ),
+    "upstream_unreachable": ClientGuide(
+        "the router could not be connected to (refused, timed out, name not resolved): "
+        "nothing of the request reached it.",
+        "retry; safe, the request was not sent.",
+    ),
+    "upstream_reset": ClientGuide(
+        "the router closed the connection before a complete response.",
+        "retry if the request is idempotent for you; part of it may have run.",
+    ),
+    "upstream_bad_response": ClientGuide(
+        "the router's response was malformed (framing, an oversized head).",
+        "retry once; report it to the operator if it persists.",
+    ),
+}

@@ -60,11 +60,11 @@ def build_counter(
     spec = effective_tokenizer(settings.tokenizer, settings.engines)
     try:
         if spec == "bytes":
-            return _counter(settings, "nfc", load_template(settings.chat_template, None))
+            return _counter(settings, "nfc", _template(settings, None))
         if spec == "engine":
             engine = engine_tokenize or _engine_from_settings(settings, session)
             desc = getattr(engine, "describe", lambda: "engine /tokenize")()
-            template = load_template(settings.chat_template, None)
+            template = _template(settings, None)
             return _counter(
                 settings, "nfc", template, engine=engine, description=desc, backend="engine"
             )
@@ -76,7 +76,7 @@ def build_counter(
         else:
             local = load_tiktoken(path, None)
         release_load_garbage()
-        template = load_template(settings.chat_template, local.template)
+        template = _template(settings, local.template)
         local.template = template
         if getattr(local, "unmodelled", None):
             return _bound_only(settings, local, template)
@@ -92,12 +92,28 @@ def build_counter(
     except ImportError as exc:
         # hf: and tiktoken: need native libraries a plain install leaves out.
         raise ConfigError(
-            f"invalid setting tokenizer (KVPROXY_TOKENIZER={spec}): needs the Python package "
+            f"invalid setting tokenizer ({settings.where('tokenizer', spec)}): needs the "
+            "Python package "
             f"{(exc.name or 'tokenizers').partition('.')[0]!r}: "
             "pip install 'kvproxy[tokenizers]'"
         ) from None
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"invalid setting tokenizer (KVPROXY_TOKENIZER={spec}): {exc}") from None
+        raise ConfigError(
+            f"invalid setting tokenizer ({settings.where('tokenizer', spec)}): {exc}"
+        ) from None
+
+
+def _template(settings: Settings, fallback: ChatTemplate | None) -> ChatTemplate | None:
+    """The chat template to count with; a `chat_template` file that does not load is that
+    setting's error, not the tokenizer's (ConfigError naming where it was set)."""
+    try:
+        return load_template(settings.chat_template, fallback)
+    except (OSError, ValueError) as exc:
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(
+            f"invalid setting chat_template "
+            f"({settings.where('chat_template', settings.chat_template)}): {what}"
+        ) from None
 
 
 def _bound_only(settings: Settings, local: Any, template: ChatTemplate | None) -> TokenCounter:

@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -140,6 +141,89 @@ def resolve_port(c: Obj, port: int | str) -> int:
         if p.get("name") == port:
             return int(p["containerPort"])
     raise AssertionError(f"container {c['name']} has no port named {port!r}")
+
+
+def container_argv(c: Obj) -> list[str]:
+    """What a container runs, with Kubernetes' $(VAR) expansion from its own env."""
+    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+    argv = [*c.get("command", []), *c.get("args", [])]
+    return [env.get(a[2:-1], a) if a.startswith("$(") and a.endswith(")") else a for a in argv]
+
+
+def exposure_problems(objs: list[Obj], dep: Obj, public_port: int, admin_port: int) -> list[str]:
+    """Services selecting kvproxy's Pods expose its public port, or its admin port on a
+    Service of its own (the gate's `kvproxy-admin`; who may reach it is the
+    NetworkPolicy's business): never the router, never the admin port beside the clients'."""
+    kv = container(pod_spec(dep), "kvproxy")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    out = []
+    for svc in find(objs, "Service"):
+        if not svc["spec"].get("selector", {}).items() <= pod_labels.items():
+            continue
+        targets = [resolve_port(kv, p.get("targetPort", p["port"])) for p in svc["spec"]["ports"]]
+        allowed = {public_port} if public_port in targets else {admin_port}
+        out += [
+            f"Service {svc['metadata']['name']} exposes port {target}"
+            for target in targets
+            if target not in allowed
+        ]
+    return out
+
+
+def gate_reach_problems(app: list[Obj], gate: list[Obj]) -> list[str]:
+    """The release gate Job can reach what its flags name: `--proxy` is a Service on kvproxy's
+    public port, `--proxy-admin` one on its admin port, and some NetworkPolicy selecting
+    kvproxy's Pods admits the Job's Pods (same namespace) to the admin port. Without the
+    last, the gate's limit and deferral checks would find the port closed."""
+    dep = one(app, "Deployment", "kvproxy")
+    spec = pod_spec(dep)
+    cfg = mounted_config(app, spec)
+    kv = container(spec, "kvproxy")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    job = one(gate, "Job", "kvproxy-check")
+    job_labels = job["spec"]["template"]["metadata"]["labels"]
+    argv = container_argv(container(pod_spec(job), "check"))
+
+    def port_of(listen: str) -> int:
+        return int(listen.rpartition(":")[2])
+
+    public = port_of(cfg.get("listen", "0.0.0.0:8080"))
+    admin = port_of(cfg.get("admin_listen", "0.0.0.0:9090"))
+    out = []
+    for flag_name, want in (("--proxy", public), ("--proxy-admin", admin)):
+        if flag_name not in argv:
+            out.append(f"the gate has no {flag_name}")
+            continue
+        url = urlsplit(argv[argv.index(flag_name) + 1])
+        services = [
+            s
+            for s in find(app, "Service", url.hostname)
+            if s["spec"].get("selector", {}).items() <= pod_labels.items()
+        ]
+        ports = {
+            resolve_port(kv, p.get("targetPort", p["port"]))
+            for s in services
+            for p in s["spec"]["ports"]
+            if p["port"] == url.port
+        }
+        if ports != {want}:
+            out.append(f"the gate's {flag_name} {url.geturl()} is no Service on port {want}")
+    admitted = False
+    for policy in find(app, "NetworkPolicy"):
+        if not policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items():
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            ports = {resolve_port(kv, p["port"]) for p in rule.get("ports", [])}
+            if ports and admin not in ports:
+                continue
+            for peer in rule.get("from", [{}]):
+                same_ns = "namespaceSelector" not in peer
+                selector = peer.get("podSelector", {}).get("matchLabels", {})
+                if same_ns and "ipBlock" not in peer and selector.items() <= job_labels.items():
+                    admitted = True
+    if not admitted:
+        out.append("no NetworkPolicy admits the gate Job to the admin port")
+    return out
 
 
 # --- Prometheus Operator objects: structure checked here, CRDs are not bundled -------------

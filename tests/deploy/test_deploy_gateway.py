@@ -25,7 +25,10 @@ from deploytest import (
     Obj,
     all_containers,
     container,
+    container_argv,
+    exposure_problems,
     find,
+    gate_reach_problems,
     mounted_config,
     one,
     pod_spec,
@@ -113,22 +116,15 @@ def problems_grace(objs: list[Obj]) -> list[str]:
 def problems_exposure(objs: list[Obj]) -> list[str]:
     dep = deployment(objs)
     spec = pod_spec(dep)
-    public_port = split_host_port(setting(mounted_config(objs, spec), "listen"))[1]
-    kv = container(spec, "kvproxy")
+    cfg = mounted_config(objs, spec)
+    public_port = split_host_port(setting(cfg, "listen"))[1]
+    admin_port = split_host_port(setting(cfg, "admin_listen"))[1]
     out = []
     if spec.get("hostNetwork") or any(
         p.get("hostPort") for c in all_containers(spec) for p in c.get("ports", [])
     ):
         out.append("the Pod uses the host network or host ports")
-    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
-    for svc in find(objs, "Service"):
-        if not svc["spec"].get("selector", {}).items() <= pod_labels.items():
-            continue
-        for port in svc["spec"]["ports"]:
-            target = resolve_port(kv, port.get("targetPort", port["port"]))
-            if target != public_port:
-                out.append(f"Service {svc['metadata']['name']} exposes port {target}")
-    return out
+    return out + exposure_problems(objs, dep, public_port, admin_port)
 
 
 def problems_clusters(objs: list[Obj]) -> list[str]:
@@ -333,13 +329,11 @@ def test_gateway_release_gate_checks_the_rolled_out_config_with_its_clusters(
     assert check["image"] == container(app_spec, "kvproxy")["image"]
     assert job["spec"]["backoffLimit"] == 0
     assert pod_spec(job)["restartPolicy"] == "Never"
-    # What the container runs, with Kubernetes' $(VAR) expansion from its env.
-    env = {e["name"]: e["value"] for e in check["env"]}
-    argv = [*check["command"], *check["args"]]
-    argv = [env[a[2:-1]] if a.startswith("$(") and a.endswith(")") else a for a in argv]
+    argv = container_argv(check)
     mount = next(m for m in check["volumeMounts"] if m["name"] == "kvproxy-config")
     assert argv[:4] == ["kvproxy", "check", "--config", f"{mount['mountPath']}/kvproxy.yaml"]
     assert argv[argv.index("--proxy") + 1] == "http://kvproxy:8080"
+    assert gate_reach_problems(app, gate) == []
     # The gate's own command line, on the mounted file: it gates each configured cluster
     # on that cluster's engines (everything up to the probes, which need the clusters).
     config = tmp_path / "kvproxy.yaml"

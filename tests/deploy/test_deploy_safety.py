@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,10 @@ from deploytest import (
     Obj,
     all_containers,
     container,
+    container_argv,
+    exposure_problems,
     find,
+    gate_reach_problems,
     mounted_config,
     one,
     overlays,
@@ -152,7 +154,6 @@ def problems_exposure(objs: list[Obj]) -> list[str]:
     cfg = mounted_config(objs, spec)
     public_port = split_host_port(setting(cfg, "listen"))[1]
     upstream = urlsplit(setting(cfg, "upstream"))
-    kv = container(spec, "kvproxy")
     router = container(spec, "router")
     out = []
     if upstream.hostname not in ("127.0.0.1", "localhost", "::1"):
@@ -167,15 +168,8 @@ def problems_exposure(objs: list[Obj]) -> list[str]:
         p.get("hostPort") for c in all_containers(spec) for p in c.get("ports", [])
     ):
         out.append("the Pod uses the host network or host ports")
-    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
-    for svc in find(objs, "Service"):
-        if not svc["spec"].get("selector", {}).items() <= pod_labels.items():
-            continue
-        for port in svc["spec"]["ports"]:
-            target = resolve_port(kv, port.get("targetPort", port["port"]))
-            if target != public_port:
-                out.append(f"Service {svc['metadata']['name']} exposes port {target}")
-    return out
+    admin_port = split_host_port(setting(cfg, "admin_listen"))[1]
+    return out + exposure_problems(objs, dep, public_port, admin_port)
 
 
 def problems_security(spec: Obj) -> list[str]:
@@ -454,36 +448,87 @@ def test_release_gate_runs_kvproxy_check_with_the_configured_engines(
     gate = render(f"overlays/{overlay}/release-gate")
     job = one(gate, "Job", "kvproxy-check")
     check = container(pod_spec(job), "check")
+    argv = container_argv(check)
+    mount = next(m for m in check["volumeMounts"] if m["name"] == "kvproxy-config")
+    # The gate reads the mounted kvproxy.yaml through kvproxy's own loader (--config) ...
+    assert argv[:4] == ["kvproxy", "check", "--config", f"{mount['mountPath']}/kvproxy.yaml"]
+    assert flag(argv, "--proxy") == "http://kvproxy:8080"
+    # ... reads the proxy's limit and deferral counts on its admin port ...
+    assert flag(argv, "--proxy-admin") == "http://kvproxy-admin:9090"
+    # ... and runs the isolation scenarios, keeping the record.
+    assert "--canary" in argv
+    assert flag(argv, "--out") == "/records"
+    # The gate's own options from the mounted file: every engine, and a declared context to
+    # compare the measured pools with (without one that check would not run).
     cfg = mounted_config(gate, pod_spec(job))
     config = tmp_path / "kvproxy.yaml"
     config.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    # A stand-in `kvproxy` on PATH records the argv the Job's launcher hands to the gate.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "kvproxy"
-    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n', encoding="utf-8")
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVPROXY_")}
-    env.update({e["name"]: e["value"] for e in check["env"]})
-    env.update(
-        KVPROXY_CONFIG=str(config),
-        ARGV_OUT=str(tmp_path / "argv"),
-        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+    plan = (
+        "import sys, argparse, json; from kvproxy.tools import check_cli as c; "
+        "from kvproxy.tools.check.cli import options_from; "
+        "p = argparse.ArgumentParser(); c.add_arguments(p); "
+        "o = options_from(p.parse_args(sys.argv[1:])); "
+        "print(json.dumps([[e.url for e in o.engines], o.max_context, o.proxy, o.proxy_admin]))"
     )
-    assert check["command"][0] == "python3"
-    proc = subprocess.run(
-        [sys.executable, *check["command"][1:], *check["args"]],
-        env=env,
+    args = [str(config) if a == argv[3] else a for a in argv[2:]]
+    done = subprocess.run(
+        [sys.executable, "-c", plan, *args],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env={k: v for k, v in os.environ.items() if not k.upper().startswith("KVPROXY_")},
     )
-    assert proc.returncode == 0, proc.stderr
-    argv = (tmp_path / "argv").read_text(encoding="utf-8").splitlines()
-    assert argv[0] == "check"
-    assert json.loads(flag(argv, "--engines") or "") == cfg["engines"]
-    assert flag(argv, "--max-context") == str(cfg["max_context"])
-    assert flag(argv, "--proxy") == "http://kvproxy:8080"
-    assert "--canary" in argv
-    assert flag(argv, "--out") == "/records"
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [
+        [e["url"] for e in cfg["engines"]],
+        cfg["max_context"],
+        "http://kvproxy:8080",
+        "http://kvproxy-admin:9090",
+    ]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_release_gate_reaches_the_proxy_and_its_admin_port(overlay: str) -> None:
+    assert (
+        gate_reach_problems(
+            render(f"overlays/{overlay}"), render(f"overlays/{overlay}/release-gate")
+        )
+        == []
+    )
+
+
+def test_checks_catch_a_gate_without_admin_access() -> None:
+    app = render("overlays/sglang-pd")
+    gate = render("overlays/sglang-pd/release-gate")
+    # The NetworkPolicy of before: only Prometheus reaches the admin port.
+    policy = one(app, "NetworkPolicy", "kvproxy")
+    policy["spec"]["ingress"] = [
+        r
+        for r in policy["spec"]["ingress"]
+        if "namespaceSelector" in str(r.get("from", "")) or not r.get("from")
+    ]
+    assert gate_reach_problems(app, gate) == [
+        "no NetworkPolicy admits the gate Job to the admin port"
+    ]
+    # The Job of before: no --proxy-admin; and an admin URL naming no Service.
+    gate = render("overlays/sglang-pd/release-gate")
+    check = container(pod_spec(one(gate, "Job", "kvproxy-check")), "check")
+    i = check["args"].index("--proxy-admin")
+    del check["args"][i : i + 2]
+    assert gate_reach_problems(render("overlays/sglang-pd"), gate) == [
+        "the gate has no --proxy-admin"
+    ]
+    app = render("overlays/sglang-pd")
+    app.remove(one(app, "Service", "kvproxy-admin"))
+    assert gate_reach_problems(app, render("overlays/sglang-pd/release-gate")) == [
+        "the gate's --proxy-admin http://kvproxy-admin:9090 is no Service on port 9090"
+    ]
+
+
+def test_checks_catch_the_admin_port_beside_the_public_one() -> None:
+    objs = render("overlays/sglang-pd")
+    one(objs, "Service", "kvproxy")["spec"]["ports"].append(
+        {"name": "admin", "port": 9090, "targetPort": "admin"}
+    )
+    assert "Service kvproxy exposes port 9090" in problems_exposure(objs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hostile_support import ROUTES, check_invalid_request, hostile_body, near_valid
+from hostile_support import FUZZ_EXAMPLES, ROUTES, check_invalid_request, hostile_body, near_valid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +20,7 @@ from kvproxy.policy.routes import Route
 from kvproxy.prompt.parse import parse_request
 
 FUZZ = settings(
-    max_examples=300,
+    max_examples=FUZZ_EXAMPLES,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -11,6 +11,7 @@ import json
 
 import pytest
 from hostile_support import (
+    FUZZ_EXAMPLES,
     HUGE_NUMBERS,
     NFC_EXPANDERS,
     ROUTES,
@@ -29,7 +30,7 @@ from kvproxy.prompt import MAX_OUTPUT_TOKENS
 from kvproxy.prompt.parse import parse_request
 
 FUZZ = settings(
-    max_examples=200,
+    max_examples=FUZZ_EXAMPLES,
     deadline=None,
     database=None,  # no .hypothesis/ directory left behind in a shared checkout
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

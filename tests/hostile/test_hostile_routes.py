@@ -6,14 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from hostile_support import check_parse, dump, hostile_body, hostile_text, json_value, number
+from hostile_support import (
+    FUZZ_EXAMPLES,
+    check_parse,
+    dump,
+    hostile_body,
+    hostile_text,
+    json_value,
+    number,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvproxy.policy.routes import Route
 
 FUZZ = settings(
-    max_examples=300,
+    max_examples=FUZZ_EXAMPLES,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
