@@ -154,6 +154,33 @@ class ModelFields(BaseModel):
     # `engines`, so none at this level) and picked per request by fit, then load
     # (kvproxy.policy.routing). Unset: one cluster, `IMPLICIT_CLUSTER`, of `engines`.
     upstreams: tuple[UpstreamCluster, ...] = ()
+    # Top-level request fields the operator declares prompt-neutral for this model, beyond
+    # the fields kvproxy classifies per engine version (kvproxy/prompt/fields.py). Any other
+    # field outside the table is refused (400 unsupported_field). List only fields the
+    # engine cannot turn into prompt tokens: kvproxy does not bound them.
+    extra_neutral_fields: tuple[str, ...] = Field(
+        default=(),
+        description="request fields declared prompt-neutral (never bounded, never refused)",
+    )
+    # A request's own chat template (top-level `chat_template`, or in chat_template_kwargs)
+    # is refused unless this is set; set it only when the engine runs with
+    # --trust-request-chat-template. Such a request is then bounded by the same proof run
+    # over its own template (never the configured one), and decided on that bound alone.
+    trust_request_chat_template: bool = Field(
+        default=False,
+        description="accept request chat templates, bounded by their own proof",
+    )
+    # The model's image processor configuration (a preprocessor_config.json, or the model
+    # directory holding it; Qwen2-VL style): image parts are priced from their size and it
+    # (kvproxy/prompt/media.py). Unset: every media part is refused, naming its kind.
+    media_processor: str | None = Field(
+        default=None, description="preprocessor_config.json pricing image parts"
+    )
+    # An image kvproxy cannot see into (a URL it never fetches, an unreadable header):
+    # `ceiling` charges the most any image can become under the processor, `refuse` 400s.
+    unseen_media: Literal["ceiling", "refuse"] = Field(
+        default="ceiling", description="what an image of unknown size costs"
+    )
 
     @field_validator("tokenizer")
     @classmethod

@@ -177,8 +177,14 @@ class Settings(ModelFields, BaseSettings):
     # (bench/PROFILE-LONG.md): a second count thread there doubled the CPU per 100k-token
     # prompt at concurrency 16 (8.8-9.2 ms vs 4.8-5.5 ms) and tripled its p99.
     count_concurrency: int = Field(default_factory=lambda: min(2, usable_cpus()), ge=1)
-    image_tokens: int = Field(default=16384, ge=0)
-    audio_tokens: int = Field(default=16384, ge=0)
+    # The least one image is charged: raises the cost kvproxy/prompt/media.py computes from
+    # the image and the model's processor, never lowers it. Unset: the computed cost.
+    image_tokens: int | None = Field(
+        default=None, ge=0, description="per-image floor over the computed image cost"
+    )
+    # Unused: audio parts are refused (no per-second ceiling is modelled). Kept so that
+    # existing configurations still load.
+    audio_tokens: int = Field(default=16384, ge=0, description="unused (audio is refused)")
     decode_policy: Literal["reject", "clamp"] = "reject"
     # Output assumed when a request names no max_tokens (decode needs room for >= 1 token).
     default_output_tokens: int = Field(default=1, ge=1)

@@ -15,6 +15,7 @@ import pytest
 
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import PromptShape
+from kvproxy.prompt.media import ImageProcessor, MediaPolicy
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.counter import UNKNOWN_SPECIAL_TOKENS, TokenCounter
@@ -134,7 +135,8 @@ async def test_bytes_mode_returns_the_bound_even_over_the_limit() -> None:
 
 async def test_token_ids_media_and_batches() -> None:
     tok = FakeTokenizer()
-    c = counter_with(tok, image_tokens=1000)
+    processor = ImageProcessor()
+    c = counter_with(tok, media=MediaPolicy(processor, image_tokens=1000))
     try:
         ids = await c.count(completion([[1, 2, 3], [4] * 50]), 10**9)
         gen = parse_request(
@@ -145,8 +147,9 @@ async def test_token_ids_media_and_batches() -> None:
         await c.aclose()
     assert ids.tokens == 50  # the largest sequence; ids are never tokenized
     assert tok.calls == [("a b",)]
-    assert media.tokens == 2 + 1 + 2000
-    assert not media.exact  # a configured cost, not a count
+    # "img1" is no image header kvproxy can read: each is charged the processor's ceiling.
+    assert media.tokens == 2 + 1 + 2 * max(1000, processor.ceiling())
+    assert not media.exact  # a computed cost, not a count
 
 
 async def test_chat_with_template_counts_the_rendered_prompt() -> None:
