@@ -58,8 +58,10 @@ class Proxy:
 
 @contextlib.asynccontextmanager
 async def kvproxy_serve(engine: VllmEngine, **extra: Any) -> AsyncIterator[Proxy]:
-    """`kvproxy serve` in front of `engine`, with defaults beyond the URLs (and `extra`)."""
+    """`kvproxy serve` in front of `engine`, with defaults beyond the URLs (and `extra`); its
+    log goes to a file beside the engine's (a pipe nobody reads would fill and block it)."""
     port, admin = free_port(), free_port()
+    log = engine.logs / f"kvproxy-closed-{port}.log"
     settings: dict[str, Any] = {
         "listen": f"127.0.0.1:{port}",
         "admin_listen": f"127.0.0.1:{admin}",
@@ -70,18 +72,19 @@ async def kvproxy_serve(engine: VllmEngine, **extra: Any) -> AsyncIterator[Proxy
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPROXY_")}
     for key, value in settings.items():
         env[f"KVPROXY_{key.upper()}"] = value if isinstance(value, str) else json.dumps(value)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "kvproxy",
-        "serve",
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-    )
+    with log.open("ab") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "kvproxy",
+            "serve",
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=sink,
+            start_new_session=True,
+        )
     try:
-        limit = await _ready(proc, admin)
+        limit = await _ready(proc, admin, log)
         yield Proxy(f"http://127.0.0.1:{port}", limit)
     finally:
         if proc.returncode is None:
@@ -93,12 +96,12 @@ async def kvproxy_serve(engine: VllmEngine, **extra: Any) -> AsyncIterator[Proxy
                 await proc.wait()
 
 
-async def _ready(proc: asyncio.subprocess.Process, admin: int) -> int:
+async def _ready(proc: asyncio.subprocess.Process, admin: int, log: Path) -> int:
     async with aiohttp.ClientSession() as http:
         for _ in range(READY_TRIES):
             if proc.returncode is not None:
-                err = await proc.stderr.read() if proc.stderr else b""
-                raise AssertionError(f"kvproxy serve exited: {err[-2000:]!r}")
+                tail = await asyncio.to_thread(log.read_text)
+                raise AssertionError(f"kvproxy serve exited: {tail[-2000:]}")
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 async with http.get(f"http://127.0.0.1:{admin}/capacity") as r:
                     if r.status == 200:
