@@ -4,6 +4,7 @@ fails closed (timeouts, panics, template errors), and how it bounds its own conc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -353,9 +354,16 @@ async def test_quick_admission_answers_what_the_general_path_answers(
     the general path (`_count_any`) returns, at every ceiling around the bound, and steps
     aside (None) wherever the general path would do anything else."""
     tok = FakeTokenizer(bound_rule=rule, template=ChatTemplate(SIMPLE_TEMPLATE))
-    c = counter_with(tok) if exact else TokenCounter(bound_rule=rule, template=tok.template)
+    media = MediaPolicy(ImageProcessor())  # the image body is priced, not refused
+    c = (
+        counter_with(tok, media=media)
+        if exact
+        else TokenCounter(bound_rule=rule, template=tok.template, media=media)
+    )
     raw, plain = body
     shape = parse_request("chat", raw)
+    # `count` prices the media before either path; the paths called directly get it here.
+    shape = dataclasses.replace(shape, media_tokens=media.cost(shape.body, "chat"))
     guarantee = c._guarantee
     assert isinstance(guarantee, ChatGuarantee)
     quick = guarantee.quick(shape.raw, shape.body, "chat")
