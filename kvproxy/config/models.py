@@ -169,6 +169,24 @@ class ModelFields(BaseModel):
     """Gateway mode: several PD clusters for this model, each with its own engines (so none
     at this level), picked per request by fit, then load (gateway.md). Unset: one cluster
     of `upstream` and `engines`."""
+    extra_neutral_fields: tuple[str, ...] = ()
+    """Top-level request fields the operator declares prompt-neutral for this model, beyond
+    the fields kvproxy classifies per engine version (kvproxy/prompt/fields.py); any other
+    field outside the table is refused (400 `unsupported_field`). List only fields the
+    engine cannot turn into prompt tokens: kvproxy does not bound them."""
+    trust_request_chat_template: bool = False
+    """Accept a request's own chat template (top-level `chat_template`, or in
+    `chat_template_kwargs`); refused (400) unless set. Set it only when the engine runs with
+    `--trust-request-chat-template`: such a request is bounded by the same proof run over
+    its own template (never the configured one) and decided on that bound alone."""
+    media_processor: str | None = None
+    """The model's image processor configuration (a `preprocessor_config.json`, or the model
+    directory holding it; Qwen2-VL style): image parts are priced from their size and it
+    (kvproxy/prompt/media.py). Unset: every media part is refused, naming its kind."""
+    unseen_media: Literal["ceiling", "refuse"] = "ceiling"
+    """What an image kvproxy cannot see into costs (a URL it never fetches, an unreadable
+    header): `ceiling` charges the most any image can become under the processor, `refuse`
+    answers 400."""
 
     @field_validator("tokenizer")
     @classmethod

@@ -216,11 +216,12 @@ class Settings(ModelFields, BaseSettings):
     )
     """Prompts counted at once. One per core this process may use, at most 2: on one core a
     second count thread doubled the CPU per 100k-token prompt (bench/PROFILE-LONG.md)."""
-    image_tokens: int = Field(default=16384, ge=0)
-    """Tokens the guaranteed bound assumes per image in a request (its real count is the
-    engine's); a prompt whose bound with them exceeds the limit is counted exactly."""
+    image_tokens: int | None = Field(default=None, ge=0)
+    """The least one image is charged: raises the cost computed from the image and the
+    model's processor (`media_processor`), never lowers it. Unset: the computed cost."""
     audio_tokens: int = Field(default=16384, ge=0)
-    """Tokens the guaranteed bound assumes per audio clip, as `image_tokens`."""
+    """Unused: audio parts are refused (no per-second ceiling is modelled). Kept so that
+    existing configurations still load."""
     decode_policy: Literal["reject", "clamp"] = "reject"
     """A request whose prompt plus requested output overflows the decode pool: `reject`
     (400 `context_length_exceeded`, reason decode_budget) or `clamp` (its max_tokens cut to

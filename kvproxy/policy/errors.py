@@ -13,6 +13,7 @@ Tree of what a request can end in, besides a relayed upstream response:
     │   ├── decode_budget_exceeded    400   context_length_exceeded     decode_budget
     │   ├── unverified_unbounded      400   context_length_exceeded     context_length
     │   ├── invalid_request           400   invalid_request             invalid_request
+    │   ├── unsupported_field         400   unsupported_field           unsupported_field
     │   ├── body_too_large            413   request_too_large           body_too_large
     │   ├── request_head_too_large    431   request_header_fields_too_large request_head
     │   ├── malformed_request         400   malformed_request           (not counted)
@@ -243,6 +244,41 @@ def invalid_request(message: str, param: str | None = None) -> KvproxyError:
     return KvproxyError(
         status=400, code="invalid_request", reason="invalid_request", message=message, param=param
     )
+
+
+def unsupported_field(
+    field_name: str, route: str, where: str, why: str = "", *, neutral_hint: bool = True
+) -> KvproxyError:
+    """A request field kvproxy has not classified for the engines in front (kvproxy.prompt.
+    fields), or one it classifies as refused. 400, never forwarded: a field kvproxy does not
+    know may change what the engine prefills. What to do: drop the field, or (for a field
+    that cannot change the prompt) have the operator list it in the model's
+    `extra_neutral_fields`."""
+    name = _field_label(field_name)
+    because = why or (
+        f"it is not a field kvproxy has classified for {route} on {where}: an unknown field "
+        "may change what the engine prefills"
+    )
+    return KvproxyError(
+        status=400,
+        code="unsupported_field",
+        reason="unsupported_field",
+        param=name,
+        message=(
+            f"{name} is not supported through kvproxy: {because}. Remove it"
+            + (
+                ", or ask the operator to declare it prompt-neutral (extra_neutral_fields)"
+                if neutral_hint
+                else ""
+            )
+        ),
+    )
+
+
+def _field_label(name: str) -> str:
+    """A client-chosen key, as an error may name it: printable, at most 80 characters."""
+    clean = "".join(c if c.isprintable() else "?" for c in name)
+    return clean if len(clean) <= 80 else clean[:77] + "..."
 
 
 def body_too_large(size: int | None, limit: int) -> KvproxyError:
@@ -489,6 +525,13 @@ CLIENT_GUIDE: dict[str, ClientGuide] = {
         "engines' measured KV pools hold; `limit_tokens`, `prompt_tokens` and `limit_source` "
         "say by how much, `count_reason` when a bound decided. Nothing reached the engines.",
         "shorten the prompt or lower `max_tokens`; retrying unchanged fails the same way.",
+    ),
+    "unsupported_field": ClientGuide(
+        "a request field (or a part kind, a request chat template, media) kvproxy has not "
+        "classified for the engine version in front, or classifies as refused; `param` names "
+        "it. Nothing reached the engines: an unknown field may change what they prefill.",
+        "remove the field; if it cannot change the prompt, ask the operator to declare it "
+        "prompt-neutral (`extra_neutral_fields`).",
     ),
     "invalid_request": ClientGuide(
         "the body is not a request kvproxy can count (not JSON, a field of the wrong type, a "

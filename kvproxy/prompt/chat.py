@@ -97,10 +97,12 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
 
 # chat_template_kwargs keys kvproxy refuses: apply_chat_template's own arguments (passed
 # twice they fail in the engine, or, merged, replace what was counted) and template
-# globals. Special tokens (bos_token, ...) are rendered exactly instead (tokens.chatnorm).
+# globals. `chat_template` is the field gate's (prompt.fields): refused unless the operator
+# trusts request templates, then bounded by that template's own proof. Special tokens
+# (bos_token, ...) are rendered exactly instead (tokens.chatnorm).
 REFUSED_TEMPLATE_KWARGS = frozenset(
     {"messages", "conversation", "tools", "documents", "add_generation_prompt",
-     "continue_final_message", "chat_template", "tokenize", "return_dict", "padding",
+     "continue_final_message", "tokenize", "return_dict", "padding",
      "truncation", "max_length", "return_tensors", "tokenizer_kwargs", "processor_kwargs",
      "return_assistant_tokens_mask", "sanitize_control_tokens", "raise_exception",
      "strftime_now", "namespace", "dict", "range", "lipsum", "cycler", "joiner"}

@@ -80,6 +80,9 @@ class PromptShape:
     # The request's bytes as received: the guaranteed bound's O(1) form reads them
     # (tokens.guarantee); never logged.
     raw: bytes = b""
+    # What the request's media become in tokens, summed over every item (prompt.media):
+    # set by the counter, which holds the model's image processor.
+    media_tokens: int = 0
 
     @property
     def text_chars(self) -> int:

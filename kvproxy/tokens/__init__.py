@@ -30,6 +30,8 @@ from typing import Any
 
 from kvproxy.config import ConfigError, Settings, effective_tokenizer
 from kvproxy.policy import CountMethod, TokenCount
+from kvproxy.prompt.fields import FieldPolicy
+from kvproxy.prompt.media import ImageProcessor, MediaPolicy
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
 from kvproxy.tokens.counter import TokenCounter
@@ -145,12 +147,26 @@ def _counter(
     return TokenCounter(
         bound_rule=rule,
         template=template,
-        image_tokens=settings.image_tokens,
-        audio_tokens=settings.audio_tokens,
+        media=build_media(settings),
+        fields=FieldPolicy(
+            settings.extra_neutral_fields,
+            trust_request_template=settings.trust_request_chat_template,
+        ),
         count_timeout_s=settings.count_timeout_s,
         count_concurrency=settings.count_concurrency,
         **kwargs,
     )
+
+
+def build_media(settings: Settings) -> MediaPolicy:
+    """The model's media pricing (prompt.media): its image processor, if one is configured."""
+    processor = None
+    if settings.media_processor:
+        try:
+            processor = ImageProcessor.load(settings.media_processor)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"invalid setting media_processor: {exc}") from None
+    return MediaPolicy(processor, settings.unseen_media, settings.image_tokens)
 
 
 def build_verifier(settings: Settings) -> Verifier:

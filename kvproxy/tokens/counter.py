@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -48,6 +49,8 @@ from typing import Any, TypeVar
 
 from kvproxy.policy import CHAT_ROUTES, CountMethod, KvproxyError, TokenCount, errors, record
 from kvproxy.prompt import MODELED_KEYS, RERANK_OVERHEAD_TOKENS, PromptShape, SequencePrompt
+from kvproxy.prompt.fields import FieldPolicy, request_template
+from kvproxy.prompt.media import MediaPolicy
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
@@ -117,13 +120,13 @@ class TokenCounter:
         local: LocalTokenizer | None = None,
         engine: EngineTokenize | None = None,
         special_tokens: int = UNKNOWN_SPECIAL_TOKENS,
-        image_tokens: int = 16384,
-        audio_tokens: int = 16384,
+        media: MediaPolicy | None = None,
         count_timeout_s: float = 10.0,
         count_concurrency: int = 2,
         description: str = "",
         backend: str | None = None,
         verifier: Verifier | None = None,
+        fields: FieldPolicy | None = None,
     ) -> None:
         if local is not None and engine is not None:
             raise ValueError("a counter uses a local tokenizer or the engine, not both")
@@ -142,8 +145,8 @@ class TokenCounter:
         self._local = local
         self._engine = engine
         self._specials = special_tokens
-        self._image_tokens = image_tokens
-        self._audio_tokens = audio_tokens
+        # What media cost (prompt.media); without a processor, media are refused.
+        self.media = media or MediaPolicy()
         self._timeout_s = count_timeout_s
         self._concurrency = count_concurrency
         self._sem = asyncio.Semaphore(count_concurrency)
@@ -155,6 +158,8 @@ class TokenCounter:
         self._description = description
         # None: every request's exact count may admit (tests that build a bare counter).
         self.verifier = verifier
+        # Every top-level field classified for the engines in front (prompt.fields).
+        self.fields = fields or FieldPolicy()
         self.method: CountMethod = "exact" if local else ("engine" if engine else "bound")
         # Off only in benchmarks that time a whole count (bench/decision_latency.py).
         self.early_stop = True
@@ -197,6 +202,16 @@ class TokenCounter:
         Raises `invalid_request` (the chat template refuses the messages) or
         `count_unavailable` (timeout, tokenizer or engine failure).
         """
+        verifier = self.verifier
+        engines = verifier.engines if verifier is not None else ()
+        own_template = self.fields.check(shape.route, shape.body, engines)
+        if _may_hold_media(shape):
+            # A copy: the handler's shape stays as parsed (only media requests pay for it).
+            shape = dataclasses.replace(
+                shape, media_tokens=self.media.cost(shape.body, shape.route)
+            )
+        if own_template:
+            return await self._count_own_template(shape, admit_at_most)
         admitted = self._admitted_quick(shape, admit_at_most, total_at_most)
         if admitted is not None:
             return admitted
@@ -289,6 +304,53 @@ class TokenCounter:
         except _WorkerFailed as exc:
             raise errors.count_unavailable(f"tokenizer failed: {exc}") from None
 
+    # --- a request's own chat template (prompt.fields, trust_request_chat_template) ---------
+
+    async def _count_own_template(self, shape: PromptShape, admit_at_most: int) -> TokenCount:
+        """A body bringing its own template (allowed by the operator): bounded by the same
+        proof run over THAT template, never by the configured one, and decided on that
+        bound alone (no replica renders it). Proved in a worker under `count_timeout_s`,
+        like every count; a template over MAX_REQUEST_TEMPLATE_BYTES is refused unproven."""
+        source = request_template(shape.body)
+        assert source is not None
+        specials = self._template.special_tokens if self._template is not None else {}
+        why: str | None = None
+        bound: int | None = None
+        if len(source.encode("utf-8", "surrogatepass")) > MAX_REQUEST_TEMPLATE_BYTES:
+            why = f"it is over {MAX_REQUEST_TEMPLATE_BYTES:,} bytes"
+        else:
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    bound, why = await self._offload(
+                        _own_template_bound,
+                        source,
+                        self._rule if self._trust_bound else None,
+                        self._specials,
+                        specials,
+                        shape,
+                        shape.media_tokens,
+                    )
+            except TimeoutError:
+                raise errors.count_unavailable(f"over {self._timeout_s:g} s") from None
+            except _WorkerFailed as exc:
+                raise errors.count_unavailable(f"template proof failed: {exc}") from None
+        if bound is None:
+            raise errors.unverified_unbounded(
+                ["chat_template"],
+                "the request's own chat template",
+                "chat_template",
+                because=f"that template could not be proven ({why or 'no byte bound'})",
+            )
+        return TokenCount(
+            bound,
+            "bound",
+            exact=False,
+            total_tokens=bound,
+            bound=bound,
+            unverified=("chat_template",),
+            verified_for="the request's own chat template",
+        )
+
     # --- the guaranteed bound (tokens.guarantee) ---------------------------------------------
 
     def _guarded(self, shape: PromptShape) -> bool:
@@ -302,7 +364,7 @@ class TokenCounter:
     def _guaranteed(self, shape: PromptShape, admit_at_most: int) -> int | None:
         """The guaranteed bound in tokens (None: none can be given): the O(1) bound when it
         already admits, else the walk over every field."""
-        media = max(self._image_tokens, self._audio_tokens)
+        media = shape.media_tokens
         g = self._guarantee
         if shape.route not in CHAT_ROUTES:
             rule = self._rule if self._trust_bound else None
@@ -447,7 +509,11 @@ class TokenCounter:
     def _unframed(self, plans: list[_Plan]) -> list[_Plan]:
         # Near the limit: the decision rests on the template's own render.
         # Their frames' bounds did not admit: the renders' own need not be scanned again.
-        return [self._plan_chat(p.seq, framed=False, loose=True) if p.framed else p for p in plans]
+        # A chat plan's fixed part is its media cost.
+        return [
+            self._plan_chat(p.seq, framed=False, loose=True, media=p.fixed) if p.framed else p
+            for p in plans
+        ]
 
     async def _count(
         self,
@@ -536,25 +602,28 @@ class TokenCounter:
 
     def _plan(self, shape: PromptShape, framed: bool = True, loose: bool = False) -> list[_Plan]:
         chat = shape.route in CHAT_ROUTES
+        # Each sequence is charged the request's whole media cost: a batch's sequences share
+        # its media (SGLang's image_data), and more is safe.
+        media = shape.media_tokens
         return [
-            self._plan_chat(s, framed, loose) if chat else self._plan_text(s) for s in shape.prompts
+            self._plan_chat(s, framed, loose, media) if chat else self._plan_text(s, media)
+            for s in shape.prompts
         ]
 
-    def _media(self, seq: SequencePrompt) -> int:
-        return seq.images * self._image_tokens + seq.audios * self._audio_tokens
-
-    def _plan_text(self, seq: SequencePrompt) -> _Plan:
+    def _plan_text(self, seq: SequencePrompt, media: int = 0) -> _Plan:
         specials = self._specials if seq.texts else 0
-        fixed = seq.token_ids + self._media(seq) + specials
+        fixed = seq.token_ids + media + specials
         # +1 per text: a ByteLevel pre-tokenizer may prepend a space.
         bound = bounds.texts_bound(seq.texts, self._rule) + len(seq.texts) + fixed
         exact = len(seq.texts) <= 1 and not (seq.images or seq.audios)
         return _Plan(seq, False, bound, seq.texts, (), False, fixed, exact)
 
-    def _plan_chat(self, seq: SequencePrompt, framed: bool = True, loose: bool = False) -> _Plan:
+    def _plan_chat(
+        self, seq: SequencePrompt, framed: bool = True, loose: bool = False, media: int = 0
+    ) -> _Plan:
         """`loose`: the caller knows the bound cannot admit (an exact count decides), so the
-        render's bound is the O(1) `bounds.loose_bound` instead of a scan of every byte."""
-        media = self._media(seq)
+        render's bound is the O(1) `bounds.loose_bound` instead of a scan of every byte.
+        `media`: the request's media cost (prompt.media)."""
         segments = self._frames.render(seq) if framed and self._frames is not None else None
         if segments is not None:
             # A plain chat: the frame filled with its contents IS the render (tokens.frames).
@@ -674,6 +743,26 @@ class TokenCounter:
         return n + bounds.chat_overhead_bound(seq.message_count, tools) + plan.fixed
 
 
+# A request's own chat template is proven per request (in a worker); the configured one once.
+MAX_REQUEST_TEMPLATE_BYTES = 65_536
+
+
+def _own_template_bound(
+    source: str,
+    rule: BoundRule | None,
+    special_tokens: int,
+    specials: dict[str, str],
+    shape: PromptShape,
+    media_tokens: int,
+) -> tuple[int | None, str | None]:
+    """The bound of `shape` under its own template: (tokens, None) or (None, why)."""
+    g = ChatGuarantee.build(source, rule, special_tokens, specials)
+    if isinstance(g, str):
+        return None, g
+    route = shape.route if shape.route in CHAT_ROUTES else "pool"
+    return g.tokens(shape.body, route, media_tokens), None
+
+
 def unmodeled_keys(shape: PromptShape) -> list[str]:
     """Top-level fields of a prompt-only request that kvproxy's parser neither counts nor
     knows to be inert (vLLM's /v1/score reads text_1/text_2 beside SGLang's query/items)."""
@@ -681,6 +770,21 @@ def unmodeled_keys(shape: PromptShape) -> list[str]:
     if known is None:
         return []
     return [k for k in shape.body if k not in known and k not in INERT_KEYS]
+
+
+# Bytes whose absence shows a body holds no media part and no media setting: every media part
+# type and media field names one of them (prompt.media), except the dynamic-patch settings.
+_MEDIA_MARKERS = (b"image", b"video", b"audio", b"mm_processor", b"media_io")
+
+
+def _may_hold_media(shape: PromptShape) -> bool:
+    """Whether prompt.media must look at this request (a few C-speed scans otherwise)."""
+    raw = shape.raw
+    if not raw:
+        return True
+    return any(m in raw for m in _MEDIA_MARKERS) or any(
+        k in shape.body for k in ("max_dynamic_patch", "min_dynamic_patch")
+    )
 
 
 def _small(shape: PromptShape) -> bool:

@@ -3,7 +3,8 @@ only (DESIGN.md, round-3 amendment to I1). Pure.
 
     g = ChatGuarantee.build(template, rule, special_tokens)   # at start (runs the proof)
     g.quick(raw, body, route)        # O(1) in the body's size: None when it does not apply
-    g.tokens(body, route, media)     # the walk over every field (tokens.measure)
+    g.tokens(body, route, media)     # the walk over every field (tokens.measure); media:
+                                     # the request's media cost (prompt.media), in tokens
 
 The template's proof (`tokens.proof`) bounds its output in bytes by a polynomial over the
 measures of what it is handed; this module turns that into factors per input, and a
@@ -15,7 +16,7 @@ request's measures (`tokens.measure`) into tokens:
               + what engines add (default fields, per object) + special-token values
     tokens <= bytes (byte-level BPE without normaliser), or 3 x bytes under NFC unless every
               string is NFD-normalized or NFC without combining marks (tokens.bounds)
-              + the special tokens a post-processor may add + configured media costs.
+              + the special tokens a post-processor may add + the media's cost (prompt.media).
 
 Every input is position-agnostic within its part of the request: data may sit at whatever
 role, key or depth an engine moves it to, so each byte is charged the worst chain of the
@@ -244,8 +245,9 @@ class ChatGuarantee:
     # --- the walk ---------------------------------------------------------------------------
 
     def tokens(self, body: Mapping[str, Any], route: str, media_tokens: int) -> int | None:
-        """The bound from every field of the parsed body (tokens.measure); None when the
-        tokenizer has no byte bound."""
+        """The bound from every field of the parsed body (tokens.measure), plus
+        `media_tokens`, what the request's media become (prompt.media, summed over every
+        item); None when the tokenizer has no byte bound."""
         if self.rule is None:
             return None
         v = self.variant(body, route)
@@ -291,7 +293,7 @@ class ChatGuarantee:
         size += v.cross_terms(functools.partial(_cross_value, m, totals, route))
         if route == "responses":
             size = max(size, _fallback(totals["X"], totals["D"]))
-        return self._tokens(size, m.nfc_safe, m.media * media_tokens)
+        return self._tokens(size, m.nfc_safe, media_tokens)
 
     # --- shared -----------------------------------------------------------------------------
 

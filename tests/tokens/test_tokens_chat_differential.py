@@ -44,6 +44,7 @@ from chat_reference import (
 
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import PromptShape
+from kvproxy.prompt.media import MediaPolicy
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.chatnorm import (
     ENGINE_KINDS,
@@ -223,6 +224,14 @@ def _key(*parts: Any) -> bytes | None:
         return None
 
 
+class _RenderOnly(MediaPolicy):
+    """Media priced at nothing: this test compares the template's render alone (media
+    costs are held to the image processor in tests/prompt/test_prompt_media.py)."""
+
+    def cost(self, body: Any, route: str) -> int:
+        return 0
+
+
 @pytest.mark.parametrize("conversations", SIZES)
 @pytest.mark.parametrize("model", MODELS)
 def test_no_under_count_against_transformers(model: str, conversations: int) -> None:
@@ -235,9 +244,9 @@ def test_no_under_count_against_transformers(model: str, conversations: int) -> 
     bodies = [conversation(rng) for _ in range(conversations)]
     stats = _Stats()
     under: list[str] = []
-    # Media are charged apart from the render (image_tokens); compare the render alone.
+    # Media are charged apart from the render (prompt.media); compare the render alone.
     counter = TokenCounter(
-        bound_rule=local.bound_rule, template=template, local=local, image_tokens=0
+        bound_rule=local.bound_rule, template=template, local=local, media=_RenderOnly()
     )
     # The full count, never one stopped early at the limit: the number is what is compared.
     counter.early_stop = False

@@ -4,6 +4,7 @@ fails closed (timeouts, panics, template errors), and how it bounds its own conc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ import pytest
 
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import PromptShape
+from kvproxy.prompt.media import ImageProcessor, MediaPolicy
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.counter import UNKNOWN_SPECIAL_TOKENS, TokenCounter
@@ -134,7 +136,8 @@ async def test_bytes_mode_returns_the_bound_even_over_the_limit() -> None:
 
 async def test_token_ids_media_and_batches() -> None:
     tok = FakeTokenizer()
-    c = counter_with(tok, image_tokens=1000)
+    processor = ImageProcessor()
+    c = counter_with(tok, media=MediaPolicy(processor, image_tokens=1000))
     try:
         ids = await c.count(completion([[1, 2, 3], [4] * 50]), 10**9)
         gen = parse_request(
@@ -145,8 +148,9 @@ async def test_token_ids_media_and_batches() -> None:
         await c.aclose()
     assert ids.tokens == 50  # the largest sequence; ids are never tokenized
     assert tok.calls == [("a b",)]
-    assert media.tokens == 2 + 1 + 2000
-    assert not media.exact  # a configured cost, not a count
+    # "img1" is no image header kvproxy can read: each is charged the processor's ceiling.
+    assert media.tokens == 2 + 1 + 2 * max(1000, processor.ceiling())
+    assert not media.exact  # a computed cost, not a count
 
 
 async def test_chat_with_template_counts_the_rendered_prompt() -> None:
@@ -350,9 +354,16 @@ async def test_quick_admission_answers_what_the_general_path_answers(
     the general path (`_count_any`) returns, at every ceiling around the bound, and steps
     aside (None) wherever the general path would do anything else."""
     tok = FakeTokenizer(bound_rule=rule, template=ChatTemplate(SIMPLE_TEMPLATE))
-    c = counter_with(tok) if exact else TokenCounter(bound_rule=rule, template=tok.template)
+    media = MediaPolicy(ImageProcessor())  # the image body is priced, not refused
+    c = (
+        counter_with(tok, media=media)
+        if exact
+        else TokenCounter(bound_rule=rule, template=tok.template, media=media)
+    )
     raw, plain = body
     shape = parse_request("chat", raw)
+    # `count` prices the media before either path; the paths called directly get it here.
+    shape = dataclasses.replace(shape, media_tokens=media.cost(shape.body, "chat"))
     guarantee = c._guarantee
     assert isinstance(guarantee, ChatGuarantee)
     quick = guarantee.quick(shape.raw, shape.body, "chat")

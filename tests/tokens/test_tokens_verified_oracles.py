@@ -33,6 +33,7 @@ from oracles.common import Refused, Uncountable, Unmodelled
 from oracles.models import FAMILIES, REPRESENTATIVES, load_model, model_dir
 
 from kvproxy.prompt import parse_request
+from kvproxy.prompt.fields import FieldPolicy
 from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.features import request_features
 from kvproxy.tokens.local import load_hf
@@ -77,6 +78,10 @@ def kvproxy_count(
         local=local,
         special_tokens=local.special_tokens,
         verifier=verifier,
+        # This holds the exact count to the oracles, not the field gate (tests/prompt/
+        # test_prompt_fields.py): a field the engine's request model lacks (SGLang 0.5.23 has
+        # no add_generation_prompt or documents on chat) is the operator's to declare.
+        fields=FieldPolicy(orjson.loads(body)),
     )
     counter.early_stop = False  # the whole exact count, not a decision
 
