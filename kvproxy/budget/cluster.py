@@ -182,6 +182,18 @@ class RedisBudget:
     def limited(self) -> bool:
         return self.max_tokens is not None or self.max_requests is not None
 
+    def room_now(self, tokens: int) -> bool:
+        """Would `acquire(tokens)` be granted without a wait, as far as this replica knows:
+        nobody of its own queued, and the cluster's use when Redis last answered (or the
+        outage's local share) leaves room. A guess for routing, never an admission."""
+        if self._waiters:
+            return False
+        if self.degraded:
+            return self.options.unavailable != "reject" and not self._over_local_share(tokens)
+        if self.max_tokens is not None and self.cluster_tokens + tokens > self.max_tokens:
+            return False
+        return self.max_requests is None or self.cluster_requests + 1 <= self.max_requests
+
     async def start(self) -> None:
         try:
             await self._call(lambda: self._client.ping())

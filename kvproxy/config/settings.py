@@ -131,6 +131,21 @@ class Settings(ModelFields, BaseSettings):
     # too, and a cluster of one router has no other host to absorb its share).
     upstream_eject_s: float = Field(default=10.0, gt=0)
     upstream_eject_max_s: float = Field(default=120.0, gt=0)
+    # Outlier detection (kvproxy.policy.routing.Outliers; docs/gateway.md "Passive health").
+    # A cluster is ejected after this many consecutive failures (connect failures, resets
+    # or closes before a response head, head timeouts, 5xx heads the request did not cause;
+    # a 5xx counts once per tenant in a streak). Envoy's consecutive_5xx: 5.
+    upstream_outlier_consecutive: int = Field(default=5, ge=1)
+    # The largest share of a model's clusters ejected at once; one may always be, never the
+    # last (Envoy's max_ejection_percent is 10 % with at least one host).
+    upstream_outlier_max_ejected_share: float = Field(default=0.5, gt=0, le=1)
+    # The success-rate window, and the healthy time that lowers the ejection back-off level
+    # by one (Envoy's interval: 10 s).
+    upstream_outlier_interval_s: float = Field(default=10.0, gt=0)
+    # Success-rate ejection: a cluster with at least this many outcomes in the window whose
+    # success rate is more than the margin below its siblings' mean (each with as many).
+    upstream_outlier_success_rate_min_requests: int = Field(default=20, ge=1)
+    upstream_outlier_success_rate_margin: float = Field(default=0.3, gt=0, le=1)
     # The header whose value is hashed over a model's candidate clusters (rendezvous
     # hashing: a conversation keeps its prefix cache); a models entry may name its own.
     affinity_header: str | None = Field(default=None, pattern=HEADER_NAME_PATTERN)

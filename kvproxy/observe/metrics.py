@@ -22,6 +22,8 @@ from kvproxy.policy import (
     DISCONNECT_PHASES,
     EJECTION_CAUSES,
     ROUTING_REASONS,
+    SPILL_REASONS,
+    UPSTREAM_OUTCOMES,
     CountMethod,
 )
 
@@ -518,9 +520,11 @@ class Metrics:
         )
         self.upstream_ejections = Counter(
             "kvproxy_upstream_ejections_total",
-            "Passive ejections of an upstream cluster, by model, cluster and cause (connect: "
-            "its router refused or dropped the connection before any byte was sent; "
-            "status_5xx: it answered 5xx).",
+            "Passive ejections of an upstream cluster (outlier detection), by model, cluster "
+            "and cause: the failure that completed a streak of consecutive failures "
+            "(connect: no connection; reset: reset or closed before a response head; "
+            "timeout: no head within the read timeout; status_5xx: a 5xx the request did "
+            "not cause), or success_rate (far below its siblings').",
             ["model", "upstream", "cause"],
             registry=r,
         )
@@ -530,6 +534,39 @@ class Metrics:
             ["model", "upstream"],
             registry=r,
         )
+        # --- outlier detection and affinity spills (issue 49) --- begin ------------------
+        self.upstream_restores = Counter(
+            "kvproxy_upstream_restores_total",
+            "Ejected upstream clusters back in rotation (their back-off passed), by model, "
+            "cluster and the cause they were ejected for.",
+            ["model", "upstream", "cause"],
+            registry=r,
+        )
+        self.upstream_ejections_capped = Counter(
+            "kvproxy_upstream_ejections_capped_total",
+            "Ejections not made because the share of a model's clusters ejected at once was "
+            "at its cap (upstream_outlier_max_ejected_share; never the last), by model, "
+            "cluster and cause.",
+            ["model", "upstream", "cause"],
+            registry=r,
+        )
+        self.upstream_outcomes = Counter(
+            "kvproxy_upstream_outcomes_total",
+            "Outcomes of counted requests' exchanges with a cluster's router as outlier "
+            "detection saw them, by model, cluster and outcome (success, connect, reset, "
+            "timeout, status_5xx, request_5xx: a 5xx the request caused, never a failure).",
+            ["model", "upstream", "outcome"],
+            registry=r,
+        )
+        self.affinity_spills = Counter(
+            "kvproxy_affinity_spills_total",
+            "Requests whose affinity key's home cluster could not take them now and went to "
+            "another cluster, by model, home cluster and reason (unmeasured, ejected, limit: "
+            "its limits do not hold it, budget_full: its budget would make it wait).",
+            ["model", "upstream", "reason"],
+            registry=r,
+        )
+        # --- outlier detection and affinity spills (issue 49) --- end --------------------
         self.upstream_inflight_tokens = Gauge(
             "kvproxy_upstream_inflight_prompt_tokens",
             "Prompt tokens held by requests whose upstream is open, by model and cluster.",
@@ -587,6 +624,12 @@ class Metrics:
             self.routing_decisions.labels(model, upstream, reason)
         for cause in EJECTION_CAUSES:
             self.upstream_ejections.labels(model, upstream, cause)
+            self.upstream_restores.labels(model, upstream, cause)
+            self.upstream_ejections_capped.labels(model, upstream, cause)
+        for outcome in UPSTREAM_OUTCOMES:
+            self.upstream_outcomes.labels(model, upstream, outcome)
+        for spill in SPILL_REASONS:
+            self.affinity_spills.labels(model, upstream, spill)
         self.upstream_ejected.labels(model, upstream).set(0)
 
     def _add_upstream(self, upstream: str) -> None:

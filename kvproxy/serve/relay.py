@@ -24,6 +24,7 @@ import logging
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -40,6 +41,9 @@ from kvproxy.upstream import UpstreamResponse, network_boundary
 
 log = logging.getLogger("kvproxy.relay")
 
+# The bytes of a 5xx body kept to tell a request's error from the router's: the routers'
+# error bodies are one small JSON object.
+ERROR_BODY_BYTES = 4096
 # struct linger {l_onoff = 1, l_linger = 0}: close() sends RST instead of FIN.
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
@@ -102,6 +106,13 @@ class Exchange:
         # The upstream failure that ended the exchange, if one did (the handler's passive
         # health reads it with `upstream`: a connect failure, or a 5xx head).
         self.failure: UpstreamFailure | None = None
+        # No head within the read timeout: passive health hears of it at once (a hung
+        # router), not when the held request ends, minutes later.
+        self.head_timed_out = False
+        self.on_head_timeout: Callable[[], None] | None = None
+        # The first bytes of a 5xx body: whether the request caused it is in there
+        # (kvproxy.policy.routing.request_caused_5xx).
+        self.error_body = b""
 
     @property
     def not_sent(self) -> bool:
@@ -350,6 +361,8 @@ class Exchange:
                 self.machine.handle(drain.UpstreamEOF(now))
                 return await self._finish(up, end)
             got_first = True
+            if up.status >= 500 and len(self.error_body) < ERROR_BODY_BYTES:
+                self.error_body += chunk[: ERROR_BODY_BYTES - len(self.error_body)]
             try:
                 step = insp.feed(chunk)
             except SSEError:
@@ -399,6 +412,10 @@ class Exchange:
         self.record.upstream_outcome = err.code
         self.services.metrics.upstream_errors.labels(err.code).inc()
         self.services.metrics.deferred_in_progress.labels(self.record.upstream_label).inc()
+        if self.upstream is None and not self.head_timed_out:
+            self.head_timed_out = True
+            if self.on_head_timeout is not None:
+                self.on_head_timeout()
         if self.client is not None:
             await self._end_stream_with_error(err)
             return
