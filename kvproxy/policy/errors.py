@@ -22,6 +22,7 @@ Tree of what a request can end in, besides a relayed upstream response:
     │   ├── count_unavailable         503   token_count_unavailable     count_unavailable
     │   ├── over_budget               429   inflight_budget_exceeded    over_budget
     │   ├── method_not_allowed        405   method_not_allowed          method_not_allowed
+    │   ├── body_not_allowed          400   body_not_allowed            body_not_allowed
     │   ├── route_not_found           404   route_not_found             route_not_found
     │   └── model_not_found           404   model_not_found             model_not_found
     └── upstream failures (UpstreamFailure, raised by kvproxy.upstream.boundary.network_boundary)
@@ -374,6 +375,17 @@ def method_not_allowed(method: str) -> KvproxyError:
         code="method_not_allowed",
         reason="method_not_allowed",
         message=f"method {method} is not allowed on inference routes",
+    )
+
+
+def body_not_allowed(method: str) -> KvproxyError:
+    # A GET or HEAD on a pass-through route carries no body a client needs; forwarded, it is
+    # bytes the upstream reads unexamined (and a smuggling vector where framing differs).
+    return KvproxyError(
+        status=400,
+        code="body_not_allowed",
+        reason="body_not_allowed",
+        message=f"a {method} request may not carry a body",
     )
 
 

@@ -9,8 +9,9 @@
                           upstream_headers
         counted routes    require_post, decode_body, pick_model, admit, body_counted,
                           pick_cluster, take_budget, recheck_after_queue, clamp
-        pass-through      passthrough_upstream (gateway mode's single-model form),
-                          body_counted
+        pass-through      refuse_body_on_read (a GET or HEAD with a body, before
+                          reading it), passthrough_upstream (gateway mode's
+                          single-model form), body_counted
       forwards the bytes as read (decoded if they were; no re-serialisation) through the
       relay (kvproxy.serve.relay: I5, I6)
     One way out for a refusal (`_refuse`), one `finally` that gives the in-flight budget
@@ -550,6 +551,14 @@ def move_cluster(ctx: RequestContext) -> Stop | None:
     return None
 
 
+def refuse_body_on_read(ctx: RequestContext) -> Stop | None:
+    """A pass-through GET or HEAD carries no body: refused before it is read (never
+    forwarded). aiohttp reads a body only where Content-Length or chunked framing says so."""
+    if ctx.method in ("GET", "HEAD") and ctx.request.body_exists:
+        return errors.body_not_allowed(ctx.method)
+    return None
+
+
 def passthrough_upstream(ctx: RequestContext) -> Stop | None:
     # The single-model form with `upstreams` has no top-level router: a pass-through route
     # goes to one of its clusters (the `models:` form keeps the top-level `upstream`).
@@ -572,7 +581,9 @@ COUNTED = _plan(
     recheck_after_queue,
     clamp,
 )
-PASSTHROUGH = _plan(*EVERY_REQUEST, passthrough_upstream, body_counted)
+PASSTHROUGH = _plan(
+    *EVERY_REQUEST[:4], refuse_body_on_read, *EVERY_REQUEST[4:], passthrough_upstream, body_counted
+)
 REFUSED = _plan(*EVERY_REQUEST)
 # After a connect failure: another cluster, its budget, its limits, its clamp.
 RETRY = _plan(move_cluster, pick_cluster, take_budget, recheck_after_queue, clamp)
