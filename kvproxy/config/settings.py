@@ -236,8 +236,9 @@ class Settings(ModelFields, BaseSettings):
     # --- routes --------------------------------------------------------------------------
     # Extra routes forwarded WITHOUT counting ("/path", "GET /path", "GET,HEAD /prefix/*"),
     # on top of the built-in ones clients need (/health, /v1/models, tokenize): the
-    # upstreams' metrics, load, server info and admin routes only when listed here. Their bodies reach the upstream unexamined:
-    # list only routes that cannot carry a prompt to a KV cache (kvproxy.policy.routes).
+    # upstreams' metrics, load, server info and admin routes only when listed here. Their
+    # bodies reach the upstream unexamined: list only routes that cannot carry a prompt to a
+    # KV cache (kvproxy.policy.routes).
     passthrough_routes: tuple[str, ...] = ()
 
     # --- several models (kvproxy.config.models) ------------------------------------------
