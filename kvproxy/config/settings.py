@@ -99,8 +99,14 @@ class Settings(ModelFields, BaseSettings):
     max_body_bytes: int = Field(default=32 * MIB, ge=1024)
     # A client must deliver its whole body within this time (slowloris guard).
     body_read_timeout_s: float = Field(default=60.0, gt=0)
-    # ...and its first request's headers within this time of connecting.
+    # ...and each request head within this time: a connection's first within this time of
+    # connecting, every later one on a kept-alive connection within this time of its first
+    # byte (nginx's client_header_timeout).
     header_read_timeout_s: float = Field(default=30.0, gt=0)
+    # A kept-alive public connection with no request for this long is closed (nginx's
+    # keepalive_timeout is 75 s; shorter here because an idle socket holds a connection
+    # slot, though the connection limit closes the longest idle one before it sheds).
+    keepalive_timeout_s: float = Field(default=30.0, gt=0)
     # A request head (request line and header lines) past either bound gets 431 and is never
     # forwarded. Envoy's defaults (max_request_headers_kb 60, max_headers_count 100); aiohttp
     # refuses a line over 8,190 bytes or more than 128 fields by itself (400).
