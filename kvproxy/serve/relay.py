@@ -366,7 +366,15 @@ class Exchange:
             try:
                 step = insp.feed(chunk)
             except SSEError:
-                return await self._fail_midway(errors.upstream_bad_response("oversized SSE event"))
+                # An event (a line) past the bound: the stream ends with the error event, or
+                # the error when nothing was relayed yet, and the client's connection closes:
+                # whatever the upstream still pours is nobody's.
+                failed = await self._fail_midway(
+                    errors.upstream_bad_response("oversized SSE event")
+                )
+                if failed is not None:
+                    failed.force_close()
+                return failed
             if step.output or not is_sse:
                 # TTFT: the first generated output of a stream (whatever field carries it),
                 # the first body byte of anything else.
@@ -518,6 +526,10 @@ class Exchange:
         to its length, or a last chunk, would hand a client a complete-looking lie."""
         assert self.client is not None
         if self.upstream is not None and _is_sse(self.upstream):
+            # Closed after the event: a client reading the stream to its end (or an SDK that
+            # waits for [DONE]) learns it is over now, and the connection is not reused
+            # behind a response that failed.
+            self.client.force_close()
             with contextlib.suppress(ConnectionResetError, RuntimeError):
                 await self.client.write(errors.sse_error_event(err, self.style))
                 await self.client.write_eof()
