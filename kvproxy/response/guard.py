@@ -7,8 +7,8 @@ generated output), feeds the strings to the canary scanner, and returns the byte
 events the chunk completed. While a scanner is active only whole, scanned events are
 forwarded: an event cut across reads is held until its end arrives, so a marker can never
 reach the client in the first half of an event whose second half would have been
-withheld. Without one too (an endless line must end in a clean error event). The relay (`relay.py`) owns
-the sockets, the drain machine and the metrics; this module owns none of them.
+withheld. Without one too (an endless line must end in a clean error event). The relay
+(`relay.py`) owns the sockets, the drain machine and the metrics; this module owns none.
 
 Cost: one JSON decode and one walk per event until the first output; after it, only
 events the scanner cannot prove marker-free from their bytes (`CanaryScanner.skips`: a
