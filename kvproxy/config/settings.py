@@ -49,6 +49,7 @@ from kvproxy.config.models import (
     check_entries,
     check_upstream,
 )
+from kvproxy.observe.redact import redact
 from kvproxy.policy import ConfigError as ConfigError  # raised here; callers import it here
 
 MIB = 1024 * 1024
@@ -494,7 +495,8 @@ def load_settings(
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or "settings"
         env = "KVPROXY_" + loc.split(".")[0].upper()
-        msg = f"invalid setting {loc} ({env}): {err['msg']}"
+        # redact: a refused URL is quoted without its password or token.
+        msg = redact(f"invalid setting {loc} ({env}): {err['msg']}")
         if len(exc.errors()) > 1:
             msg += f" (and {len(exc.errors()) - 1} more)"
         raise ConfigError(msg) from None

@@ -26,6 +26,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvproxy.config import Settings
 from kvproxy.observe import Metrics
+from kvproxy.observe.redact import redact
 from kvproxy.policy import TenantResolver, admission, errors, route_table
 from kvproxy.response import CanaryRules
 from kvproxy.serve.handler import SERVICES_KEY, STATE_KEY, handle
@@ -232,7 +233,9 @@ class KvproxyServer:
         return _json({"ready": True})
 
     async def _capacity(self, request: web.Request) -> web.Response:
-        return _json(self.services.models.snapshot_json())
+        # Engine and router URLs may carry credentials: never shown.
+        body = redact(orjson.dumps(self.services.models.snapshot_json()).decode())
+        return web.Response(text=body, content_type="application/json")
 
     async def _tripwire(self, request: web.Request) -> web.Response:
         # What `kvproxy canary` needs to say why the tripwire withheld nothing: whose tenant
