@@ -18,8 +18,7 @@ import orjson
 
 from kvproxy import __version__
 from kvproxy.config import ConfigError, Settings, effective_tokenizer, load_settings
-from kvproxy.observe import setup_logging
-from kvproxy.observe.redact import redact
+from kvproxy.observe import redact, setup_logging
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:

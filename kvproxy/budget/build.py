@@ -10,8 +10,7 @@ from typing import TypedDict
 
 from kvproxy.budget.local import Budget, InflightBudget
 from kvproxy.config import IMPLICIT_MODEL, ConfigError, Settings
-from kvproxy.observe import Metrics
-from kvproxy.observe.redact import redact
+from kvproxy.observe import Metrics, redact
 
 
 class _Sizing(TypedDict):

@@ -49,7 +49,7 @@ from kvproxy.config.models import (
     check_entries,
     check_upstream,
 )
-from kvproxy.observe.redact import redact
+from kvproxy.observe import redact
 from kvproxy.policy import ConfigError as ConfigError  # raised here; callers import it here
 
 MIB = 1024 * 1024

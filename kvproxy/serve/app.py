@@ -25,8 +25,7 @@ from aiohttp.web_request import BaseRequest
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvproxy.config import Settings
-from kvproxy.observe import Metrics
-from kvproxy.observe.redact import redact
+from kvproxy.observe import Metrics, redact
 from kvproxy.policy import TenantResolver, admission, errors, route_table
 from kvproxy.response import CanaryRules
 from kvproxy.serve.handler import SERVICES_KEY, STATE_KEY, handle
