@@ -444,7 +444,10 @@ def _model_services(
         clusters=tuple(clusters),
         gateway=gateway,
         affinity_header=settings.affinity_for(spec),
-        outliers=routing.Outliers(policy, {c.name: c.health for c in clusters}),
+        # One cluster has nothing to eject it in favour of: no outlier detection.
+        outliers=routing.Outliers(policy, {c.name: c.health for c in clusters})
+        if len(clusters) > 1
+        else None,
     )
 
 

@@ -272,13 +272,18 @@ class Exchange:
             self.machine.handle(drain.UpstreamHeaders(time.monotonic()))
             return up
 
-    async def _fail_midway(self, err: KvproxyError) -> web.StreamResponse | None:
+    async def _fail_midway(
+        self, err: KvproxyError, close: bool = False
+    ) -> web.StreamResponse | None:
         """The upstream broke after its headers: end the client's stream with an error event
-        if it already started, else answer with the error."""
+        if it already started, else answer with the error. `close`: and close the client's
+        connection either way."""
         resp = self._upstream_failed(err)
         if self.client is not None and not self.machine.client_gone:
-            await self._end_stream_with_error(err)
+            await self._end_stream_with_error(err, close)
             return None
+        if resp is not None and close:
+            resp.force_close()
         return resp
 
     def _upstream_failed(self, err: KvproxyError) -> web.StreamResponse | None:
@@ -369,12 +374,9 @@ class Exchange:
                 # An event (a line) past the bound: the stream ends with the error event, or
                 # the error when nothing was relayed yet, and the client's connection closes:
                 # whatever the upstream still pours is nobody's.
-                failed = await self._fail_midway(
-                    errors.upstream_bad_response("oversized SSE event")
+                return await self._fail_midway(
+                    errors.upstream_bad_response("oversized SSE event"), close=True
                 )
-                if failed is not None:
-                    failed.force_close()
-                return failed
             if step.output or not is_sse:
                 # TTFT: the first generated output of a stream (whatever field carries it),
                 # the first body byte of anything else.
@@ -519,17 +521,17 @@ class Exchange:
             return None
         return error_response(err, self.extra_headers, self.style)
 
-    async def _end_stream_with_error(self, err: KvproxyError) -> None:
+    async def _end_stream_with_error(self, err: KvproxyError, close: bool = False) -> None:
         """A response already started cannot be completed: an event stream ends with the
         documented error event; any other body with the client's connection reset before
         its framing (a length, or chunks) completes, as nginx and Envoy end it. Padding it
         to its length, or a last chunk, would hand a client a complete-looking lie."""
         assert self.client is not None
         if self.upstream is not None and _is_sse(self.upstream):
-            # Closed after the event: a client reading the stream to its end (or an SDK that
-            # waits for [DONE]) learns it is over now, and the connection is not reused
-            # behind a response that failed.
-            self.client.force_close()
+            if close:
+                # Closed after the event (an upstream still pouring an oversized event): a
+                # client reading to the end learns it is over now.
+                self.client.force_close()
             with contextlib.suppress(ConnectionResetError, RuntimeError):
                 await self.client.write(errors.sse_error_event(err, self.style))
                 await self.client.write_eof()
