@@ -20,6 +20,10 @@ LIMIT = sel("kvproxy_upstream_limit_tokens")
 CEILING = sel("kvproxy_admission_limit_tokens")
 EJECTIONS = sel("kvproxy_upstream_ejections_total")
 EJECTED = sel("kvproxy_upstream_ejected")
+RESTORES = sel("kvproxy_upstream_restores_total")
+CAPPED = sel("kvproxy_upstream_ejections_capped_total")
+OUTCOMES = sel("kvproxy_upstream_outcomes_total")
+SPILLS = sel("kvproxy_affinity_spills_total")
 KNOWN = sel("kvproxy_upstream_capacity_known")
 DEFERRED = sel("kvproxy_deferred_cancellations_total")
 DISCONNECTS = sel("kvproxy_client_disconnects_total")
@@ -84,9 +88,11 @@ GATEWAY = Row(
         Panel(
             "Ejections by cluster and cause",
             "timeseries",
-            "Passive health: a connect failure or a 5xx from a cluster's router ejects the "
-            "cluster for a back-off (upstream_eject_s, doubling per consecutive ejection). "
-            "Bars: ejections per interval; 1 in the lower series while ejected.",
+            "Outlier detection: five failures in a row (connect, reset before the head, head "
+            "timeout, a 5xx the request did not cause, once per tenant), or a success rate "
+            "far below the siblings', eject the cluster for a back-off (upstream_eject_s, "
+            "doubling per level, the level decaying with health). Ejections per interval "
+            "by cause; 1 in the lower series while ejected.",
             (
                 Query(
                     zero_if_absent(
@@ -103,6 +109,35 @@ GATEWAY = Row(
             unit="none",
             width=8,
             thresholds=RED_FROM_ONE,
+        ),
+        Panel(
+            "Router outcomes, restores, capped ejections, affinity spills",
+            "timeseries",
+            "What outlier detection saw of each cluster's router per interval (success, "
+            "connect, reset, timeout, status_5xx; request_5xx is a 5xx the request caused and "
+            "never counts), restores by the cause they were ejected for, ejections the share "
+            "cap refused, and sticky requests that left their home cluster by reason "
+            "(unmeasured, ejected, limit, budget_full).",
+            (
+                Query(
+                    f"sum by (model, upstream, outcome) (increase({OUTCOMES}[{RATE}]))",
+                    "{{model}} {{upstream}} {{outcome}}",
+                ),
+                Query(
+                    f"sum by (model, upstream, cause) (increase({RESTORES}[{RATE}]))",
+                    "restored {{model}} {{upstream}} {{cause}}",
+                ),
+                Query(
+                    f"sum by (model, upstream, cause) (increase({CAPPED}[{RATE}]))",
+                    "capped {{model}} {{upstream}} {{cause}}",
+                ),
+                Query(
+                    f"sum by (model, upstream, reason) (increase({SPILLS}[{RATE}]))",
+                    "spilled from {{model}} {{upstream}} {{reason}}",
+                ),
+            ),
+            unit="none",
+            width=8,
         ),
         Panel(
             "Unmeasured clusters",

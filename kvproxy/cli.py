@@ -18,7 +18,7 @@ import orjson
 
 from kvproxy import __version__
 from kvproxy.config import ConfigError, Settings, effective_tokenizer, load_settings
-from kvproxy.observe import setup_logging
+from kvproxy.observe import redact, setup_logging
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(argv).parse_args(argv)
         return int(args.func(args))
     except ConfigError as exc:
-        print(f"kvproxy: {exc}", file=sys.stderr)
+        print(f"kvproxy: {redact(str(exc))}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]

@@ -10,7 +10,7 @@ from typing import TypedDict
 
 from kvproxy.budget.local import Budget, InflightBudget
 from kvproxy.config import IMPLICIT_MODEL, ConfigError, Settings
-from kvproxy.observe import Metrics
+from kvproxy.observe import Metrics, redact
 
 
 class _Sizing(TypedDict):
@@ -65,4 +65,6 @@ def build_budget(s: Settings, metrics: Metrics, model: str = IMPLICIT_MODEL) -> 
             ),
         )
     except ValueError as exc:  # a URL option the budget's client cannot honour
-        raise ConfigError(f"invalid setting redis_url ({s.where('redis_url')}): {exc}") from None
+        raise ConfigError(
+            redact(f"invalid setting redis_url ({s.where('redis_url')}): {exc}")
+        ) from None

@@ -55,7 +55,14 @@ from typing import Any, Literal
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from kvproxy.budget.connection import REDIS_DOWN, BudgetClient, RedisDown, RedisOptions
+from kvproxy.budget.connection import (
+    REDIS_DOWN,
+    BudgetClient,
+    RedisDown,
+    RedisOptions,
+    check_pong,
+    checked,
+)
 from kvproxy.budget.leases import Lease
 from kvproxy.budget.local import retry_after_s
 from kvproxy.budget.scripts import ACQUIRE, EPOCH_TTL_MS, RELEASE, RENEW, BudgetKeys
@@ -182,9 +189,21 @@ class RedisBudget:
     def limited(self) -> bool:
         return self.max_tokens is not None or self.max_requests is not None
 
+    def room_now(self, tokens: int) -> bool:
+        """Would `acquire(tokens)` be granted without a wait, as far as this replica knows:
+        nobody of its own queued, and the cluster's use when Redis last answered (or the
+        outage's local share) leaves room. A guess for routing, never an admission."""
+        if self._waiters:
+            return False
+        if self.degraded:
+            return self.options.unavailable != "reject" and not self._over_local_share(tokens)
+        if self.max_tokens is not None and self.cluster_tokens + tokens > self.max_tokens:
+            return False
+        return self.max_requests is None or self.cluster_requests + 1 <= self.max_requests
+
     async def start(self) -> None:
         try:
-            await self._call(lambda: self._client.ping())
+            check_pong(await self._call(lambda: self._client.ping()))
         except REDIS_DOWN as exc:
             self._enter_degraded(exc)
         self._loops = [
@@ -328,7 +347,9 @@ class RedisBudget:
         # first): a busy replica makes one round trip per request, not two.
         forget = self._take_releases()
         call = asyncio.ensure_future(
-            self._call(
+            self._checked_call(
+                "ACQUIRE",
+                "iiii",
                 lambda: self._acquire_script(
                     keys=[*self._keys.script_keys, self._epoch_key, self._keys.channel],
                     args=[
@@ -342,7 +363,7 @@ class RedisBudget:
                         self._epoch,
                         *forget,
                     ],
-                )
+                ),
             )
         )
         if forget:
@@ -537,7 +558,9 @@ class RedisBudget:
 
     async def _release_ids(self, ids: list[str]) -> None:
         keys = [*self._keys.script_keys, self._keys.channel]
-        _, used_t, used_r = await self._call(lambda: self._release_script(keys=keys, args=ids))
+        _, used_t, used_r = await self._checked_call(
+            "RELEASE", "iii", lambda: self._release_script(keys=keys, args=ids)
+        )
         self._unreleased.difference_update(ids)
         self._seen(int(used_t), int(used_r), 0)
 
@@ -557,6 +580,13 @@ class RedisBudget:
         self._metrics.budget_redis_rtt.observe(time.perf_counter() - started)
         return result
 
+    async def _checked_call(
+        self, name: str, shape: str, make: Callable[[], Awaitable[Any]]
+    ) -> list[Any]:
+        """A script call whose reply is validated (connection.checked); else BadReply, a
+        RedisError: Redis unavailable under the configured policy."""
+        return checked(await self._call(make), name, shape)
+
     async def _renew(self) -> None:
         """Renewal, and the return from an outage: one fenced script under the current epoch
         gives back what was released or abandoned, then renews or puts back the live
@@ -573,8 +603,8 @@ class RedisBudget:
         for lease_id, tokens in list(self._live.items()):
             args += [lease_id, tokens]
         keys = [*self._keys.script_keys, self._epoch_key, self._keys.channel]
-        renewed, used_t, used_r, dropped, put_back, reclaimed = await self._call(
-            lambda: self._renew_script(keys=keys, args=args)
+        renewed, used_t, used_r, dropped, put_back, reclaimed = await self._checked_call(
+            "RENEW", "iiiili", lambda: self._renew_script(keys=keys, args=args)
         )
         if int(renewed) < 0:
             raise _Fenced("a newer epoch of this replica is recorded")
@@ -602,7 +632,7 @@ class RedisBudget:
             await asyncio.sleep(PROBE_EVERY_S if self._state != "ok" else every)
             try:
                 if self._state == "degraded":
-                    await self._call(lambda: self._client.ping())
+                    check_pong(await self._call(lambda: self._client.ping()))
                     await self._recover()
                 elif self._state == "ok":
                     await self._renew()

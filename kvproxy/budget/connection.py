@@ -20,6 +20,40 @@ from kvproxy.budget.resp import RespClient, Script, Target
 REDIS_DOWN = (RedisError, OSError, TimeoutError)
 
 
+class BadReply(RedisError):
+    """A reply that is not what the script (or PING) returns: a Redis, or a proxy in front
+    of one, answering `+OK` or `:0` to everything. A RedisError, so it is Redis unavailable
+    under the configured policy like any other, never an unpacking error on the request
+    path. The message names the call and the reply's shape, never its content."""
+
+
+def _shape(reply: Any) -> str:
+    if isinstance(reply, (list, tuple)):
+        return f"an array of {len(reply)}"
+    return type(reply).__name__
+
+
+def checked(reply: Any, name: str, shape: str) -> list[Any]:
+    """`reply` as the script's array of `shape`: one letter per element, `i` an integer,
+    `l` an array of strings (kvproxy.budget.scripts returns exactly these). Else BadReply."""
+    if not isinstance(reply, (list, tuple)) or len(reply) != len(shape):
+        raise BadReply(f"{name}: expected an array of {len(shape)}, got {_shape(reply)}")
+    for kind, v in zip(shape, reply, strict=True):
+        if kind == "i" and (not isinstance(v, int) or isinstance(v, bool)):
+            raise BadReply(f"{name}: expected an integer, got {_shape(v)}")
+        if kind == "l" and (
+            not isinstance(v, (list, tuple)) or not all(isinstance(x, (bytes, str)) for x in v)
+        ):
+            raise BadReply(f"{name}: expected an array of strings, got {_shape(v)}")
+    return list(reply)
+
+
+def check_pong(reply: Any) -> None:
+    """PING answers PONG (redis-py's client maps it to True)."""
+    if reply is not True and reply not in (b"PONG", "PONG"):
+        raise BadReply(f"PING: expected PONG, got {_shape(reply)}")
+
+
 @dataclass(frozen=True, slots=True)
 class RedisOptions:
     url: str

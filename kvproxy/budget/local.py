@@ -119,6 +119,10 @@ class InflightBudget:
     def limited(self) -> bool:
         return self.max_tokens is not None or self.max_requests is not None
 
+    def room_now(self, tokens: int) -> bool:
+        """Would `acquire(tokens)` be granted without a wait (nobody queued, room left)?"""
+        return not self._waiters and self._fits(tokens)
+
     async def acquire(self, tokens: int) -> Lease:
         """A lease for `tokens` prompt tokens (`charge_tokens` of the request) and one
         request, or `KvproxyError` (429)."""
@@ -277,6 +281,8 @@ class Budget(Protocol):
     @property
     def queue_depth(self) -> int: ...
     async def acquire(self, tokens: int) -> Lease: ...
+    # Would acquire(tokens) be granted without a wait, as far as this replica knows?
+    def room_now(self, tokens: int) -> bool: ...
     def reject_waiting(self, detail: str = ...) -> int: ...
     async def start(self) -> None: ...
     async def aclose(self) -> None: ...

@@ -72,7 +72,8 @@ class EngineSpec(BaseModel):
         if self.name:
             return self.name
         rest = self.url.split("://", 1)[-1]
-        return rest.split("/", 1)[0] or self.url
+        # host:port only: a URL's credentials never become a name (labels, logs, /capacity).
+        return rest.split("/", 1)[0].rpartition("@")[2] or "engine"
 
 
 def check_tokenizer(v: str) -> str:

@@ -53,6 +53,7 @@ from kvproxy.config.models import (
     check_entries,
     check_upstream,
 )
+from kvproxy.observe import redact
 from kvproxy.policy import ConfigError as ConfigError  # raised here; callers import it here
 
 MIB = 1024 * 1024
@@ -116,8 +117,13 @@ class Settings(ModelFields, BaseSettings):
     body_read_timeout_s: float = Field(default=60.0, gt=0)
     """A client must deliver its whole body within this time, or get 408 (slowloris)."""
     header_read_timeout_s: float = Field(default=30.0, gt=0)
-    """A connection that has not sent one complete request head by then is closed (aiohttp
-    has no header timeout of its own)."""
+    """Every request head within this time: a connection's first within this time of
+    connecting, every later one on a kept-alive connection within this time of its first
+    byte (nginx's `client_header_timeout`); past it the connection is closed."""
+    keepalive_timeout_s: float = Field(default=30.0, gt=0)
+    """A kept-alive public connection with no request for this long is closed (nginx's
+    `keepalive_timeout` is 75 s; shorter here because an idle socket holds a connection
+    slot, though the connection limit closes the longest idle one before it sheds)."""
     max_request_head_bytes: int = Field(default=60 * 1024, ge=1024)
     """A request head (request line and fields) past this gets 431 and is never forwarded.
     Envoy's default (max_request_headers_kb 60); aiohttp bounds only each line (8,190 bytes)."""
@@ -154,6 +160,23 @@ class Settings(ModelFields, BaseSettings):
     the capacity probes watch the engines too)."""
     upstream_eject_max_s: float = Field(default=120.0, gt=0)
     """The longest ejection of a failing cluster (Envoy's max_ejection_time is 300 s)."""
+    upstream_outlier_consecutive: int = Field(default=5, ge=1)
+    """Outlier detection (gateway.md, "Passive health"): a cluster is ejected after this
+    many consecutive failures (connect failures, resets or closes before a response head,
+    head timeouts, 5xx heads the request did not cause; a 5xx counts once per tenant in a
+    streak). Envoy's consecutive_5xx: 5."""
+    upstream_outlier_max_ejected_share: float = Field(default=0.5, gt=0, le=1)
+    """The largest share of a model's clusters ejected at once; one may always be, never the
+    last (Envoy's max_ejection_percent is 10 % with at least one host)."""
+    upstream_outlier_interval_s: float = Field(default=10.0, gt=0)
+    """The success-rate window, and the healthy time that lowers the ejection back-off level
+    by one (Envoy's interval: 10 s)."""
+    upstream_outlier_success_rate_min_requests: int = Field(default=20, ge=1)
+    """Success-rate ejection: only a cluster with at least this many outcomes in the window
+    (and siblings with as many) is judged by its success rate."""
+    upstream_outlier_success_rate_margin: float = Field(default=0.3, gt=0, le=1)
+    """Success-rate ejection: a cluster whose success rate is more than this below its
+    siblings' mean is ejected."""
     affinity_header: str | None = Field(default=None, pattern=HEADER_NAME_PATTERN)
     """Gateway mode: the header whose value is hashed over a model's candidate clusters
     (rendezvous hashing: a conversation keeps its prefix cache); a models entry may name
@@ -290,9 +313,10 @@ class Settings(ModelFields, BaseSettings):
     # --- routes --------------------------------------------------------------------------
     passthrough_routes: tuple[str, ...] = ()
     """Extra routes forwarded WITHOUT counting (`"/path"`, `"GET /path"`,
-    `"GET,HEAD /prefix/*"`), on top of the built-in read-only ones. Their bodies reach the
-    upstream unexamined: list only routes that cannot carry a prompt to a KV cache
-    (routes.md)."""
+    `"GET,HEAD /prefix/*"`), on top of the built-in ones clients need (`/health`,
+    `/v1/models`, tokenize): the upstreams' metrics, load, server info and admin routes reach
+    them only when listed here. Their bodies reach the upstream unexamined: list only routes
+    that cannot carry a prompt to a KV cache (routes.md)."""
 
     # --- several models (kvproxy.config.models) ------------------------------------------
     models: tuple[ModelSpec, ...] = ()
@@ -683,7 +707,7 @@ def _one_line(exc: ValidationError, origin: Origin) -> ConfigError:
     msg = f"invalid setting {path} ({origin.describe(key, loc)}): {what}"
     if len(exc.errors()) > 1:
         msg += f" (and {len(exc.errors()) - 1} more)"
-    return ConfigError(msg)
+    return ConfigError(redact(msg))
 
 
 def _env_error(exc: SettingsError, origin: Origin) -> ConfigError:
@@ -693,4 +717,6 @@ def _env_error(exc: SettingsError, origin: Origin) -> ConfigError:
     key = text.split('"')[1] if text.count('"') >= 2 else "settings"
     cause = exc.__cause__
     detail = f": {cause}" if cause is not None else ""
-    return ConfigError(f"invalid setting {key} ({origin.describe(key)}): not valid JSON{detail}")
+    return ConfigError(
+        redact(f"invalid setting {key} ({origin.describe(key)}): not valid JSON{detail}")
+    )

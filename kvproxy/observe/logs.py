@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from kvproxy.observe.redact import redact
+
 ACCESS_LOGGER = "kvproxy.access"
 
 
@@ -38,7 +40,9 @@ class JsonFormatter(logging.Formatter):
             out.update(fields)
         if record.exc_info and record.levelno >= logging.ERROR:
             out["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(out, default=str).decode()
+        # A URL anywhere in the line (an engine's, a router's, Redis's) shows no password or
+        # token: credentials are never printed.
+        return redact(orjson.dumps(out, default=str).decode())
 
 
 # Access lines held for one event-loop iteration at most; past this many they are written

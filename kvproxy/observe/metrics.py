@@ -23,6 +23,8 @@ from kvproxy.policy import (
     DISCONNECT_PHASES,
     EJECTION_CAUSES,
     ROUTING_REASONS,
+    SPILL_REASONS,
+    UPSTREAM_OUTCOMES,
     CountMethod,
 )
 
@@ -597,9 +599,11 @@ FAMILIES: tuple[Family, ...] = (
         "counter",
         "kvproxy_upstream_ejections_total",
         ("model", "upstream", "cause"),
-        "Passive ejections of an upstream cluster, by model, cluster and cause (connect: "
-        "its router refused or dropped the connection before any byte was sent; "
-        "status_5xx: it answered 5xx).",
+        "Passive ejections of an upstream cluster (outlier detection), by model, cluster "
+        "and cause: the failure that completed a streak of consecutive failures "
+        "(connect: no connection; reset: reset or closed before a response head; "
+        "timeout: no head within the read timeout; status_5xx: a 5xx the request did "
+        "not cause), or success_rate (far below its siblings').",
     ),
     Family(
         "upstream_ejected",
@@ -607,6 +611,42 @@ FAMILIES: tuple[Family, ...] = (
         "kvproxy_upstream_ejected",
         ("model", "upstream"),
         "1 while the upstream cluster is ejected (passive health back-off), else 0.",
+    ),
+    # Outlier detection and affinity spills (kvproxy.policy.routing).
+    Family(
+        "upstream_restores",
+        "counter",
+        "kvproxy_upstream_restores_total",
+        ("model", "upstream", "cause"),
+        "Ejected upstream clusters back in rotation (their back-off passed), by model, "
+        "cluster and the cause they were ejected for.",
+    ),
+    Family(
+        "upstream_ejections_capped",
+        "counter",
+        "kvproxy_upstream_ejections_capped_total",
+        ("model", "upstream", "cause"),
+        "Ejections not made because the share of a model's clusters ejected at once was "
+        "at its cap (upstream_outlier_max_ejected_share; never the last), by model, "
+        "cluster and cause.",
+    ),
+    Family(
+        "upstream_outcomes",
+        "counter",
+        "kvproxy_upstream_outcomes_total",
+        ("model", "upstream", "outcome"),
+        "Outcomes of counted requests' exchanges with a cluster's router as outlier "
+        "detection saw them, by model, cluster and outcome (success, connect, reset, "
+        "timeout, status_5xx, request_5xx: a 5xx the request caused, never a failure).",
+    ),
+    Family(
+        "affinity_spills",
+        "counter",
+        "kvproxy_affinity_spills_total",
+        ("model", "upstream", "reason"),
+        "Requests whose affinity key's home cluster could not take them now and went to "
+        "another cluster, by model, home cluster and reason (unmeasured, ejected, limit: "
+        "its limits do not hold it, budget_full: its budget would make it wait).",
     ),
     Family(
         "upstream_inflight_tokens",
@@ -715,6 +755,10 @@ class Metrics:
     routing_decisions: Counter
     upstream_ejections: Counter
     upstream_ejected: Gauge
+    upstream_restores: Counter
+    upstream_ejections_capped: Counter
+    upstream_outcomes: Counter
+    affinity_spills: Counter
     upstream_inflight_tokens: Gauge
     upstream_limit: prometheus_client.Gauge
     upstream_capacity_known: Gauge
@@ -752,6 +796,12 @@ class Metrics:
             self.routing_decisions.labels(model, upstream, reason)
         for cause in EJECTION_CAUSES:
             self.upstream_ejections.labels(model, upstream, cause)
+            self.upstream_restores.labels(model, upstream, cause)
+            self.upstream_ejections_capped.labels(model, upstream, cause)
+        for outcome in UPSTREAM_OUTCOMES:
+            self.upstream_outcomes.labels(model, upstream, outcome)
+        for spill in SPILL_REASONS:
+            self.affinity_spills.labels(model, upstream, spill)
         self.upstream_ejected.labels(model, upstream).set(0)
 
     def _add_upstream(self, upstream: str) -> None:

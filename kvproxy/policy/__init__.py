@@ -31,7 +31,8 @@ from kvproxy.policy.routes import (
     parse_passthrough,
     route_table,
 )
-from kvproxy.policy.routing import EJECTION_CAUSES, ROUTING_REASONS
+from kvproxy.policy.routing import EJECTION_CAUSES, ROUTING_REASONS, SPILL_REASONS
+from kvproxy.policy.routing import OUTCOMES as UPSTREAM_OUTCOMES
 from kvproxy.policy.tenants import TenantResolver, sanitize_tenant
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "EJECTION_CAUSES",
     "ERROR_CODE_HEADER",
     "ROUTING_REASONS",
+    "SPILL_REASONS",
+    "UPSTREAM_OUTCOMES",
     "Admit",
     "ConfigError",
     "CountMethod",

@@ -23,6 +23,7 @@ Tree of what a request can end in, besides a relayed upstream response:
     │   ├── count_unavailable         503   token_count_unavailable     count_unavailable
     │   ├── over_budget               429   inflight_budget_exceeded    over_budget
     │   ├── method_not_allowed        405   method_not_allowed          method_not_allowed
+    │   ├── body_not_allowed          400   body_not_allowed            body_not_allowed
     │   ├── route_not_found           404   route_not_found             route_not_found
     │   └── model_not_found           404   model_not_found             model_not_found
     └── upstream failures (UpstreamFailure, raised by kvproxy.upstream.boundary.network_boundary)
@@ -413,6 +414,17 @@ def method_not_allowed(method: str) -> KvproxyError:
     )
 
 
+def body_not_allowed(method: str) -> KvproxyError:
+    # A GET or HEAD on a pass-through route carries no body a client needs; forwarded, it is
+    # bytes the upstream reads unexamined (and a smuggling vector where framing differs).
+    return KvproxyError(
+        status=400,
+        code="body_not_allowed",
+        reason="body_not_allowed",
+        message=f"a {method} request may not carry a body",
+    )
+
+
 def route_not_found(why: str) -> KvproxyError:
     # The allowlist's refusal (kvproxy.policy.routes): never forwarded. `why` never quotes the path.
     return KvproxyError(
@@ -532,6 +544,11 @@ CLIENT_GUIDE: dict[str, ClientGuide] = {
         "it. Nothing reached the engines: an unknown field may change what they prefill.",
         "remove the field; if it cannot change the prompt, ask the operator to declare it "
         "prompt-neutral (`extra_neutral_fields`).",
+    ),
+    "body_not_allowed": ClientGuide(
+        "a `GET` or `HEAD` on a pass-through route carried a body; nothing was forwarded "
+        "(a body there is bytes the upstream reads unexamined).",
+        "send the request without a body.",
     ),
     "invalid_request": ClientGuide(
         "the body is not a request kvproxy can count (not JSON, a field of the wrong type, a "

@@ -7,8 +7,9 @@ handler uncounted, so routing fails closed:
 - **counted**: the inference routes (`route_for_path`), POST only; any other
   method is a 405 (SGLang also serves PUT on /generate, /encode, /classify and /v1/rerank:
   refused here rather than forwarded uncounted);
-- **pass-through**: read-only routes that carry no prompt to a KV cache (health, models,
-  server and model info, metrics, tokenize) and the operator's `passthrough_routes`;
+- **pass-through**: what clients need that carries no prompt to a KV cache (`/health`,
+  the model list, tokenize) and the operator's `passthrough_routes`; nothing internal
+  (metrics, load, server info, health internals, admin routes) unless the operator lists it;
 - **refused** (404 `route_not_found`, never forwarded): everything else, including
   prompt-carrying routes kvproxy does not count (`/v1/interactions`, `/v1/realtime`,
   `/v1/audio/transcriptions`, SageMaker `/invocations`, Vertex `/vertex_generate`) and the
@@ -82,32 +83,22 @@ def route_for_path(path: str) -> Route | None:
     return ROUTE_PATHS.get(path)
 
 
-# Read-only routes of smg 1.13 (model_gateway/src/server.rs `public_routes`, plus its
-# tokenize pair) and SGLang (python/sglang/srt/entrypoints/http_server.py), by method.
-# None of them prefills a prompt into a KV cache: /health_generate generates one token from
-# input_ids [0]; tokenize/detokenize run the tokenizer only.
+# What the public port forwards uncounted by default: what clients need, nothing internal.
+# The health check a load balancer or client uses (/health: smg's answers from the router
+# alone, SGLang's and vLLM's from the engine), the model list, and the tokenizer pair (smg
+# 1.13 model_gateway/src/server.rs `protected_routes`; SGLang and vLLM serve the bare names
+# too): none prefills a prompt into a KV cache.
+# Not forwarded (404 unless the operator lists them in `passthrough_routes`): metrics and
+# load (/metrics, /engine_metrics, /get_load, /get_loads, vLLM's /load: queue depth, and on
+# vLLM the prefix-cache counters, a side channel on other tenants' prompt prefixes),
+# health internals (/health_generate runs a generation on demand; /liveness, /readiness,
+# /healthz, /ping), server and model internals (/server_info, /get_server_info,
+# /model_info, /get_model_info, /version: pool sizes, paths, arguments), and every admin
+# route (cache flushes, weight updates, aborts, profiling, LoRA, sessions, workers, HA):
+# the allowlist lists none of them, so they are refused with everything else.
 _READ = frozenset({"GET", "HEAD"})
 KNOWN_PASSTHROUGH: dict[str, frozenset[str]] = {
-    **dict.fromkeys(
-        (
-            "/health",
-            "/health_generate",
-            "/healthz",
-            "/liveness",
-            "/readiness",
-            "/ping",
-            "/v1/models",
-            "/model_info",
-            "/get_model_info",
-            "/server_info",
-            "/get_server_info",
-            "/version",
-            "/metrics",
-            "/engine_metrics",
-            "/get_load",
-        ),
-        _READ,
-    ),
+    **dict.fromkeys(("/health", "/v1/models"), _READ),
     **dict.fromkeys(
         ("/v1/tokenize", "/tokenize", "/v1/detokenize", "/detokenize"), frozenset({"POST"})
     ),

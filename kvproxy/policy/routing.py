@@ -8,9 +8,13 @@ A request is counted once; the clusters are then asked, in the admission module'
                                              when no cluster is measured (I3: 503)
     Balancer.route(count, shape, clusters,   the cluster to send it to and that cluster's
                    policy, now, key, exclude)  Admit, or the refusal
-    Health                                   one cluster's passive-health state: ejected
-                                             for a back-off that doubles per consecutive
-                                             ejection, cleared by an answer that is not 5xx
+    Outliers.observe(cluster, outcome,       passive health (outlier detection): each
+                     source, now)             exchange's outcome in, an Ejection (or a
+                                             Capped one) out; `restored(now)` the clusters
+                                             whose back-off passed, by cause
+    Health                                   one cluster's state: back-off level, streak,
+                                             success-rate window
+    request_caused_5xx(status, type, body)   a 5xx the request caused (never a failure)
 
 The rules, in order:
   - an unmeasured cluster is never a candidate (fail closed per cluster, I3); none measured
@@ -21,14 +25,19 @@ The rules, in order:
     offers (a prompt that fits no cluster, and the limit a client could still reach);
   - an ejected cluster is not a candidate while a healthy one fits (when only ejected ones
     fit, they are: a back-off is a guess, a refusal of a prompt some cluster holds is not);
-  - affinity: the key (a header's value) is hashed over the healthy measured clusters by
+  - affinity: the key (a header's value) is hashed over every configured cluster by
     weighted rendezvous hashing (highest random weight; score -w / ln(u), Schindelhauer and
     Schomaker's weighted form, so a cluster of weight 2 wins twice as many keys). The winner
-    is picked when it holds the request (reason `affinity`); when it cannot, the request
-    falls back to fit and load. Hashing over every healthy measured cluster, not only those
-    that fit, keeps a conversation on its cluster while its prompts fit there and sends only
-    the ones that outgrow it elsewhere; adding or losing a cluster moves only its keys.
-  - load: least in-flight prompt tokens relative to the cluster's pool (its admitting
+    (the key's home) is picked when it can take the request now (reason `affinity`): it is
+    measured, not ejected, its limits hold it and its budget lends its tokens without a
+    wait. Otherwise the request spills at once to the least loaded other cluster that can
+    (`Routed.spill`: unmeasured, ejected, limit, budget_full), so affinity never makes a
+    request wait while another cluster could serve it; only when none can does a
+    budget_full key queue at home. Hashing over every cluster, not only those that fit,
+    keeps a conversation on its cluster while its prompts fit there and sends only the ones
+    that outgrow it elsewhere; adding or losing a cluster moves only its keys.
+  - load (among the candidates whose budget lends the request now, when any does): least
+    in-flight prompt tokens relative to the cluster's pool (its admitting
     engines' measured pools), divided by its weight (`score`); exact ties (idle clusters, the
     common case at low load) go to smooth weighted round-robin (nginx's: each tied cluster
     gains its weight, the winner loses the sum), so sequential traffic splits exactly by
@@ -58,47 +67,329 @@ or read anything but counts, limits, weights and names (no request content, I8).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from kvproxy.policy import admission, errors
 from kvproxy.policy.counts import TokenCount
 
 RoutingReason = Literal["fit", "affinity", "retry"]
-EjectionCause = Literal["connect", "status_5xx"]
 ROUTING_REASONS: tuple[RoutingReason, ...] = ("fit", "affinity", "retry")
-EJECTION_CAUSES: tuple[EjectionCause, ...] = ("connect", "status_5xx")
+# What one exchange with a cluster's router said about the router (`Outliers.observe`):
+#   connect      no connection (refused, unresolvable, or none within the connect timeout)
+#   reset        the connection reset or closed before a response head
+#   timeout      no response head within the read timeout
+#   status_5xx   a 5xx head the router or its engines own (`request_caused_5xx` is False)
+#   request_5xx  a 5xx head the request caused (the body says so): never a failure
+#   success      any other head
+Outcome = Literal["success", "connect", "reset", "timeout", "status_5xx", "request_5xx"]
+FAILURES: tuple[Outcome, ...] = ("connect", "reset", "timeout", "status_5xx")
+OUTCOMES: tuple[Outcome, ...] = ("success", *FAILURES, "request_5xx")
+# Why a cluster was ejected: the failure that completed a streak of `consecutive`, or a
+# success rate far below its siblings'.
+EjectionCause = Literal["connect", "reset", "timeout", "status_5xx", "success_rate"]
+EJECTION_CAUSES: tuple[EjectionCause, ...] = (
+    "connect",
+    "reset",
+    "timeout",
+    "status_5xx",
+    "success_rate",
+)
+# Why an affinity key did not go to its home cluster (`Routed.spill`).
+SpillReason = Literal["unmeasured", "ejected", "limit", "budget_full"]
+SPILL_REASONS: tuple[SpillReason, ...] = ("unmeasured", "ejected", "limit", "budget_full")
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierPolicy:
+    """Outlier detection's knobs (kvproxy.config.settings: `upstream_outlier_*`,
+    `upstream_eject_*`). Envoy's defaults, where it has one, are the comparison in
+    docs/gateway.md."""
+
+    consecutive: int = 5  # Envoy consecutive_5xx / consecutive_gateway_failure: 5
+    base_s: float = 10.0  # ejection time at level 0 (Envoy base_ejection_time 30 s)
+    max_s: float = 120.0  # the longest (Envoy max_ejection_time 300 s)
+    # The largest share of a model's clusters ejected at once; one may always be, never the
+    # last (Envoy max_ejection_percent 10 %, at least one host).
+    max_ejected_share: float = 0.5
+    # The success-rate window, and the healthy time that lowers the back-off level by one
+    # (Envoy interval 10 s: its ejection multiplier decays the same way).
+    interval_s: float = 10.0
+    # Success rate: a cluster with at least this many outcomes in the window, whose success
+    # rate is more than `success_rate_margin` below the mean of its siblings' (each with
+    # that many too), is ejected (Envoy success_rate_minimum_hosts 5 and stdev_factor 1.9
+    # never apply to a model's two or three clusters; a fixed margin does).
+    success_rate_min_requests: int = 20
+    success_rate_margin: float = 0.3
 
 
 class Health:
-    """One cluster's passive health: ejected until `until` (monotonic seconds), the back-off
-    doubling per consecutive ejection (`base_s`, 2 x, 4 x ... up to `max_s`)."""
+    """One cluster's passive health (sans-IO; `Outliers` drives it).
 
-    __slots__ = ("base_s", "consecutive", "max_s", "until")
+    - ejected until `until` (monotonic seconds) for `base_s * 2**level`, at most `max_s`;
+      `level` grows by one per ejection and falls by one per `decay_s` of health (not
+      ejected), so a router that fails now and then starts from the base again, and one
+      that keeps failing stays out longer: a 2xx alone never resets it;
+    - `streak`: consecutive failures since the last success. A 5xx counts once per request
+      source (tenant, else client address) in a streak: one tenant's requests that make the
+      router answer 5xx cannot build a streak alone (`sources`);
+    - the window (`ok`, `failed`, `window_sources`) for the success rate, reset every
+      `decay_s`, with the same once-per-source rule for 5xx.
+    """
 
-    def __init__(self, base_s: float, max_s: float) -> None:
+    __slots__ = (
+        "base_s",
+        "cause",
+        "decay_s",
+        "decayed_at",
+        "failed",
+        "level",
+        "max_s",
+        "ok_count",
+        "sources",
+        "streak",
+        "until",
+        "window_sources",
+        "window_start",
+    )
+
+    def __init__(self, base_s: float, max_s: float, decay_s: float | None = None) -> None:
         self.base_s = base_s
         self.max_s = max_s
+        self.decay_s = decay_s if decay_s is not None else 6.0 * max_s
         self.until = 0.0
-        self.consecutive = 0
+        self.level = 0
+        self.decayed_at = 0.0
+        self.cause: EjectionCause | None = None
+        self.streak = 0
+        self.sources: set[str] = set()
+        self.ok_count = 0
+        self.failed = 0
+        self.window_sources: set[str] = set()
+        self.window_start = 0.0
+
+    @property
+    def consecutive(self) -> int:
+        """The back-off level (/capacity's `consecutive_ejections`)."""
+        return self.level
 
     def ejected(self, now: float) -> bool:
         return now < self.until
 
-    def eject(self, now: float) -> bool:
-        """A connect failure or a 5xx: eject for the back-off. False when it was ejected
-        already (requests sent before the ejection fail too; they do not double it)."""
+    def _decay(self, now: float) -> None:
+        if self.ejected(now) or self.level == 0:
+            return
+        since = max(self.until, self.decayed_at)
+        steps = int((now - since) // self.decay_s)
+        if steps > 0:
+            self.level = max(0, self.level - steps)
+            self.decayed_at = since + steps * self.decay_s
+
+    def eject(self, now: float, cause: EjectionCause = "status_5xx") -> bool:
+        """Eject for the back-off. False when it was ejected already (requests sent before
+        the ejection fail too; they do not lengthen it)."""
         if self.ejected(now):
             return False
-        self.until = now + min(self.base_s * 2.0**self.consecutive, self.max_s)
-        self.consecutive += 1
+        self._decay(now)
+        self.until = now + min(self.base_s * 2.0**self.level, self.max_s)
+        self.decayed_at = self.until
+        self.level += 1
+        self.cause = cause
+        self.clear(now)
         return True
 
+    def restore(self) -> EjectionCause | None:
+        """The back-off has passed: its cause once (a restore is counted once), then None."""
+        cause, self.cause = self.cause, None
+        return cause
+
     def ok(self) -> None:
-        """An answer that is not 5xx: the next ejection starts from the base again."""
-        self.consecutive = 0
+        """A success ends the streak (the level decays with time, not with one answer)."""
+        self.streak = 0
+        self.sources.clear()
+
+    def clear(self, now: float) -> None:
+        self.streak = 0
+        self.sources.clear()
+        self.ok_count = self.failed = 0
+        self.window_sources.clear()
+        self.window_start = now
+
+    def _window(self, now: float) -> None:
+        if now - self.window_start >= self.decay_s:
+            self.ok_count = self.failed = 0
+            self.window_sources.clear()
+            self.window_start = now
+
+    def record(self, outcome: Outcome, source: str, now: float) -> bool:
+        """Count one outcome; True when it was counted as a failure."""
+        self._window(now)
+        if outcome == "success":
+            self.ok()
+            self.ok_count += 1
+            return False
+        if outcome == "request_5xx":
+            return False
+        if outcome == "status_5xx":
+            # Once per source: in the streak, and in the window.
+            counted = False
+            if source not in self.sources:
+                self.sources.add(source)
+                self.streak += 1
+                counted = True
+            if source not in self.window_sources:
+                self.window_sources.add(source)
+                self.failed += 1
+                counted = True
+            return counted
+        self.streak += 1
+        self.failed += 1
+        return True
+
+    def success_rate(self) -> float | None:
+        total = self.ok_count + self.failed
+        return self.ok_count / total if total else None
+
+
+@dataclass(frozen=True, slots=True)
+class Ejection:
+    cluster: str
+    cause: EjectionCause
+    ejected_for_s: float
+    level: int
+
+
+@dataclass(frozen=True, slots=True)
+class Capped:
+    """An ejection the share cap refused (the cluster keeps serving)."""
+
+    cluster: str
+    cause: EjectionCause
+
+
+def request_caused_5xx(status: int, content_type: str, body: bytes) -> bool:
+    """A 5xx head whose body says the request caused it, not the router or its engines.
+
+    What the routers send (the body's first bytes are enough: these are small JSON bodies):
+      - 501 Not Implemented and 505: the request's method or version, never the router's
+        health;
+      - an OpenAI-shaped error (vLLM >= 0.10.1 `{"error": {"type", "code", ...}}`, SGLang's
+        `{"object": "error", "type", "code"}`, smg's `{"error": {"type", "code",
+        "message"}}`) whose `type` is a client error type (`invalid_request_error`,
+        `BadRequestError`, `BadRequest`, `NotFoundError`, `UnprocessableEntityError`) or
+        whose numeric `code` is 4xx: vLLM and SGLang put the status the error means there;
+      - smg's wrap of a worker's 4xx: it answers a prefill 413 / 422 / 429 as a 500 whose
+        message starts "Prefill server error (4" or "Decode server error (4".
+    Anything else (a 500 InternalServerError, 502/503/504, no body, a non-JSON body) is the
+    router's. A tenant can still cause such a 5xx; the once-per-source rule bounds that.
+    """
+    if status in (501, 505):
+        return True
+    if "json" not in content_type.lower() or not body:
+        return False
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    if not isinstance(data, dict):
+        return False
+    err = data.get("error")
+    fields: dict[str, Any] = err if isinstance(err, dict) else data
+    etype = fields.get("type")
+    if isinstance(etype, str) and etype in _CLIENT_ERROR_TYPES:
+        return True
+    code = fields.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500:
+        return True
+    message = fields.get("message")
+    return isinstance(message, str) and message.startswith(_SMG_WRAPPED_4XX)
+
+
+_CLIENT_ERROR_TYPES = frozenset(
+    {
+        "invalid_request_error",
+        "BadRequestError",
+        "BadRequest",
+        "NotFoundError",
+        "UnprocessableEntityError",
+    }
+)
+_SMG_WRAPPED_4XX = ("Prefill server error (4", "Decode server error (4")
+
+
+class Outliers:
+    """One model's outlier detection over its clusters' `Health` (sans-IO: outcomes in,
+    ejections out). Event-loop confined, like the balancer.
+
+    A cluster is ejected when a failure (`FAILURES`) completes a streak of
+    `policy.consecutive`, or when its success rate in the window is more than
+    `success_rate_margin` below its siblings' mean; never while the ejected share is at the
+    cap, never the last cluster standing.
+    """
+
+    __slots__ = ("health", "policy")
+
+    def __init__(self, policy: OutlierPolicy, health: dict[str, Health]) -> None:
+        self.policy = policy
+        self.health = health
+
+    def cap(self) -> int:
+        n = len(self.health)
+        return min(n - 1, max(1, int(n * self.policy.max_ejected_share)))
+
+    def ejected_count(self, now: float) -> int:
+        return sum(1 for h in self.health.values() if h.ejected(now))
+
+    def restored(self, now: float) -> list[tuple[str, EjectionCause]]:
+        """Clusters whose back-off passed since the last call, with their ejection's cause."""
+        out: list[tuple[str, EjectionCause]] = []
+        for name, h in self.health.items():
+            if h.cause is not None and not h.ejected(now):
+                cause = h.restore()
+                assert cause is not None
+                h.clear(now)
+                out.append((name, cause))
+        return out
+
+    def observe(
+        self, cluster: str, outcome: Outcome, source: str, now: float
+    ) -> Ejection | Capped | None:
+        h = self.health[cluster]
+        counted = h.record(outcome, source, now)
+        if not counted or h.ejected(now):
+            return None
+        cause: EjectionCause | None = None
+        if h.streak >= self.policy.consecutive:
+            cause = outcome  # type: ignore[assignment]  # a counted failure is a cause
+        elif self._rate_outlier(cluster, h, now):
+            cause = "success_rate"
+        if cause is None:
+            return None
+        if self.ejected_count(now) >= self.cap():
+            return Capped(cluster, cause)
+        h.eject(now, cause)
+        return Ejection(cluster, cause, h.until - now, h.level)
+
+    def _rate_outlier(self, cluster: str, h: Health, now: float) -> bool:
+        p = self.policy
+        if h.ok_count + h.failed < p.success_rate_min_requests:
+            return False
+        rate = h.success_rate()
+        siblings = [
+            r
+            for name, o in self.health.items()
+            if name != cluster
+            and not o.ejected(now)
+            and now - o.window_start < o.decay_s
+            and o.ok_count + o.failed >= p.success_rate_min_requests
+            and (r := o.success_rate()) is not None
+        ]
+        if rate is None or not siblings:
+            return False
+        return rate < sum(siblings) / len(siblings) - p.success_rate_margin
 
 
 class ClusterView(Protocol):
@@ -113,6 +404,7 @@ class ClusterView(Protocol):
     def limits(self) -> admission.LimitsView: ...
     def inflight_tokens(self) -> int: ...
     def pool_tokens(self) -> int | None: ...  # None: not measured (the limit stands in)
+    def room_now(self, tokens: int) -> bool: ...  # its budget lends `tokens` without a wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +412,9 @@ class Routed:
     cluster: ClusterView
     admit: admission.Admit
     reason: RoutingReason
+    # An affinity key that did not go to its home cluster: why, and the home it left.
+    spill: SpillReason | None = None
+    home: ClusterView | None = None
 
 
 def count_ceiling(
@@ -202,14 +497,37 @@ class Balancer:
                 return refusal
             return admission.Reject(errors.capacity_unknown(5, "no measured cluster"))
         healthy = [f for f in fits if not f[0].health.ejected(now)] or fits
+        charge = max(shape.n, 1)
+        # Those that can take it now: a full budget would make it wait while another lends.
+        ready = [f for f in healthy if f[0].room_now(f[1].total * charge)]
         retry = bool(exclude)
         if key is not None and not retry:
-            alive = [c for c in measured if not c.health.ejected(now)]
-            home = rendezvous(key, alive)
-            for c, admit in healthy:
-                if c is home:
-                    return Routed(c, admit, "affinity")
-        c, admit = self._least_loaded(healthy)
+            # Hashed over every configured cluster, so a key's home stays put while a
+            # cluster is unmeasured or ejected; the key spills meanwhile.
+            home = rendezvous(key, clusters)
+            assert home is not None
+            home_fit = next((f for f in fits if f[0] is home), None)
+            spill: SpillReason | None
+            if home not in measured:
+                spill = "unmeasured"
+            elif home.health.ejected(now):
+                spill = "ejected"
+            elif home_fit is None:
+                spill = "limit"
+            elif not home.room_now(home_fit[1].total * charge):
+                spill = "budget_full"
+            else:
+                return Routed(home, home_fit[1], "affinity")
+            others = [f for f in ready if f[0] is not home]
+            if others:
+                c, admit = self._least_loaded(others)
+                return Routed(c, admit, "fit", spill, home)
+            if spill == "budget_full" and home_fit is not None:
+                # No other cluster can take it now either: its own queue is as good as any.
+                return Routed(home, home_fit[1], "affinity")
+            c, admit = self._least_loaded(healthy)
+            return Routed(c, admit, "fit", spill, home)
+        c, admit = self._least_loaded(ready or healthy)
         return Routed(c, admit, "retry" if retry else "fit")
 
     def _least_loaded(
@@ -240,14 +558,24 @@ class Balancer:
 
 __all__ = [
     "EJECTION_CAUSES",
+    "FAILURES",
+    "OUTCOMES",
     "ROUTING_REASONS",
+    "SPILL_REASONS",
     "Balancer",
+    "Capped",
     "ClusterView",
+    "Ejection",
     "EjectionCause",
     "Health",
+    "Outcome",
+    "OutlierPolicy",
+    "Outliers",
     "Routed",
     "RoutingReason",
+    "SpillReason",
     "count_ceiling",
     "rendezvous",
+    "request_caused_5xx",
     "score",
 ]

@@ -7,8 +7,8 @@ generated output), feeds the strings to the canary scanner, and returns the byte
 events the chunk completed. While a scanner is active only whole, scanned events are
 forwarded: an event cut across reads is held until its end arrives, so a marker can never
 reach the client in the first half of an event whose second half would have been
-withheld. Without one, chunks go on as they came. The relay (`relay.py`) owns
-the sockets, the drain machine and the metrics; this module owns none of them.
+withheld. Without one too (an endless line must end in a clean error event). The relay
+(`relay.py`) owns the sockets, the drain machine and the metrics; this module owns none.
 
 Cost: one JSON decode and one walk per event until the first output; after it, only
 events the scanner cannot prove marker-free from their bytes (`CanaryScanner.skips`: a
@@ -69,9 +69,11 @@ class StreamGuard:
             hit = scanner.feed([OTHER_LINES_PATH], [lines])
             if hit is not None:
                 self.hits.append(hit)
-        # Nothing to withhold without a scanner: the bytes go on as they came (a stream
-        # that never ends an event is relayed as before, not held).
-        return (framed.forward if scanner is not None else chunk), output
+        # Whole events only, scanner or not: an event cut across reads waits for its end
+        # (engines write whole events, so this holds nothing in practice), and a line that
+        # never ends is never half-forwarded: past the bound the client gets the error
+        # event as an event of its own, not glued to the tail of a broken line.
+        return framed.forward, output
 
     def finish(self) -> bytes:
         """At EOF: the bytes of an event the stream ended inside (scanned like a body, as

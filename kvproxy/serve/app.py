@@ -25,7 +25,7 @@ from aiohttp.web_request import BaseRequest
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvproxy.config import Settings
-from kvproxy.observe import Metrics
+from kvproxy.observe import Metrics, redact
 from kvproxy.policy import TenantResolver, admission, errors, route_table
 from kvproxy.response import CanaryRules
 from kvproxy.serve.handler import SERVICES_KEY, STATE_KEY, handle
@@ -176,6 +176,8 @@ class KvproxyServer:
             # for counted and pass-through routes alike.
             auto_decompress=False,
             shutdown_timeout=FINAL_CLEANUP_S,
+            # An idle kept-alive connection is closed after this (aiohttp's default: 75 s).
+            keepalive_timeout=s.keepalive_timeout_s,
             # aiohttp's defaults, pinned: kvproxy.serve.headers' total bound relies on them.
             max_field_size=MAX_FIELD_BYTES,
             max_line_size=MAX_LINE_BYTES,
@@ -230,7 +232,9 @@ class KvproxyServer:
         return _json({"ready": True})
 
     async def _capacity(self, request: web.Request) -> web.Response:
-        return _json(self.services.models.snapshot_json())
+        # Engine and router URLs may carry credentials: never shown.
+        body = redact(orjson.dumps(self.services.models.snapshot_json()).decode())
+        return web.Response(text=body, content_type="application/json")
 
     async def _tripwire(self, request: web.Request) -> web.Response:
         # What `kvproxy canary` needs to say why the tripwire withheld nothing: whose tenant
@@ -290,26 +294,79 @@ class _PublicHandler(RequestHandler):
     bytes (an Authorization header among them): here only the exception's type is logged.
 
     Counted by the connection gate (kvproxy.serve.overload) from accept to close: `shed`
-    marks a connection accepted past the limit (its request gets 503 `overloaded`)."""
+    marks a connection accepted past the limit (its request gets 503 `overloaded`). Tells
+    the gate when it is idle (no request in progress and no byte of the next head), so the
+    limit can close the longest idle connection first. Each request head after the first
+    must be parsed within `head_timeout_s` of its first byte, or the connection is closed
+    (the first is held to the accept deadline, `_HeaderDeadline`)."""
 
-    __slots__ = ("_drop", "_gate", "shed")
+    __slots__ = ("_drop", "_gate", "_head_timeout_s", "_head_timer", "shed")
 
-    def __init__(self, *args: Any, gate: ConnectionGate, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, gate: ConnectionGate, head_timeout_s: float, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._gate: ConnectionGate | None = gate
         self.shed = False
         self._drop = False
+        self._head_timeout_s = head_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if self._drop:
             # Past the shedding margin even a 503 costs what the process lacks.
             transport.abort()  # type: ignore[attr-defined]  # uvloop's and asyncio's have it
+        elif self._gate is not None and not self.shed:
+            self._gate.went_idle(self, self._reclaimed)
+
+    def _reclaimed(self) -> None:
+        # The gate counted this connection closed already: it must not count it again.
+        self._gate = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def _between_requests(self) -> bool:
+        return not self._request_in_progress and not self._messages
+
+    def data_received(self, data: bytes) -> None:
+        count = self._request_count
+        between = self._between_requests()
+        gate = self._gate
+        if gate is not None and data:
+            gate.busy(self)
+        super().data_received(data)
+        if self._request_count > count:
+            self._stop_head_timer()
+        elif between and data and count > 0 and self._head_timer is None:
+            # The first byte of a later head on a kept-alive connection: its deadline.
+            self._head_timer = self._loop.call_later(
+                self._head_timeout_s, self._head_timeout, count
+            )
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self, count: int) -> None:
+        self._head_timer = None
+        if self._request_count == count and self.transport is not None:
+            self.transport.close()
+
+    async def finish_response(
+        self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        got = await super().finish_response(request, resp, start_time)
+        if self._gate is not None and not self._messages and self._keepalive:
+            self._gate.went_idle(self, self._reclaimed)
+        return got
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self._stop_head_timer()
         gate, self._gate = self._gate, None
         if gate is not None:
-            gate.closed()
+            gate.closed(self)
         super().connection_lost(exc)
 
     def handle_error(
@@ -351,9 +408,19 @@ class _HeaderDeadline:
 
     def __call__(self) -> Any:
         server = self._server
+        gate = self._gate
         # What web.Server.__call__ builds, as the subclass (aiohttp 3.10-3.14: _loop, _kwargs).
-        handler = _PublicHandler(server, loop=server._loop, gate=self._gate, **server._kwargs)
-        verdict = self._gate.opened()
+        handler = _PublicHandler(
+            server,
+            loop=server._loop,
+            gate=gate,
+            head_timeout_s=self._timeout_s,
+            **server._kwargs,
+        )
+        reclaimed = gate.reclaimed
+        verdict = gate.opened()
+        if gate.reclaimed > reclaimed:
+            self._metrics.overload_shed.labels("connections", "close_idle").inc()
         if verdict == "drop":
             self._metrics.overload_shed.labels("connections", "drop").inc()
             handler._drop = True

@@ -10,9 +10,9 @@
       relay (kvproxy.serve.relay: I5, I6)
     One way out for a refusal (`_refuse`), one `finally` that gives the in-flight budget
     back once the upstream is closed (I6) and writes the access line (a view of the context).
-    After the exchange, the cluster's passive health (`_observe_health`): a connect failure
-    or a 5xx ejects it; a connect failure, and only that (no byte was sent), runs RETRY once
-    on another cluster.
+    After the exchange, the cluster's passive health (`_observe_health`: its outcome, into
+    the model's outlier detection); a connect failure, and only that (no byte was sent),
+    runs RETRY once on another cluster.
 
 Each stage fails closed: a connection accepted past the connection limit, or a body that
 finds no room in the body-memory budget in time, is a 503 `overloaded` before its body is
@@ -180,6 +180,13 @@ async def _send(ctx: RequestContext) -> tuple[web.StreamResponse | None, Exchang
         extra_headers=ctx.reply_headers,
         style=ctx.style,
     )
+    svc, cluster = ctx.model_services, ctx.cluster
+    if svc is not None and cluster is not None and ctx.verdict is not None:
+
+        def head_timeout() -> None:
+            svc.observe(cluster, "timeout", _source(ctx), ctx.services.metrics)
+
+        exchange.on_head_timeout = head_timeout
     try:
         target = ctx.request.rel_url.raw_path_qs
         resp = await exchange.run(ctx.upstream_url, ctx.method, target, ctx.headers, ctx.body)
@@ -189,23 +196,43 @@ async def _send(ctx: RequestContext) -> tuple[web.StreamResponse | None, Exchang
 
 
 def _observe_health(ctx: RequestContext, exchange: Exchange) -> bool:
-    """Passive health of the cluster a counted request went to: a connect failure or a 5xx
-    head ejects it (kvproxy.policy.routing.Health), any other answer clears its streak.
-    True when the request may move: nothing of it was sent, and it has not moved yet."""
+    """Passive health of the cluster a counted request went to (kvproxy.policy.routing's
+    outlier detection): the exchange's outcome, from the request's source. True when the
+    request may move: nothing of it was sent, and it has not moved yet."""
     svc, cluster = ctx.model_services, ctx.cluster
     if svc is None or cluster is None or ctx.verdict is None or ctx.state.stopping:
         return False
+    if exchange.head_timed_out:
+        return False  # reported when it happened (`_send`)
     up = exchange.upstream
     if up is not None:
-        if up.status >= 500:
-            svc.eject(cluster, "status_5xx", ctx.services.metrics)
+        if up.status < 500:
+            outcome: routing.Outcome = "success"
+        elif routing.request_caused_5xx(
+            up.status, up.headers.get("Content-Type", ""), exchange.error_body
+        ):
+            outcome = "request_5xx"
         else:
-            cluster.health.ok()
+            outcome = "status_5xx"
+        svc.observe(cluster, outcome, _source(ctx), ctx.services.metrics)
         return False
-    if not exchange.not_sent:
-        return False
-    svc.eject(cluster, "connect", ctx.services.metrics)
-    return len(svc.clusters) > 1 and ctx.tried is None
+    failure = exchange.failure
+    if failure is None:
+        return False  # the client left before a head: nothing said about the router
+    if exchange.not_sent:
+        outcome = "connect"
+    elif failure.kind == "timeout":
+        outcome = "timeout"
+    else:
+        outcome = "reset"  # reset, or closed / garbled before a head
+    svc.observe(cluster, outcome, _source(ctx), ctx.services.metrics)
+    return exchange.not_sent and len(svc.clusters) > 1 and ctx.tried is None
+
+
+def _source(ctx: RequestContext) -> str:
+    """Who sent the request, for outlier detection's once-per-source rule: the tenant, else
+    the client's address."""
+    return ctx.tenant or f"addr:{ctx.request.remote or '?'}"
 
 
 def _refuse(ctx: RequestContext, err: KvproxyError) -> web.Response:
@@ -419,13 +446,17 @@ def pick_cluster(ctx: RequestContext) -> Stop | None:
         header = svc.affinity_header
         key = ctx.request.headers.get(header) if header is not None else None
         exclude = () if ctx.tried is None else (ctx.tried,)
-        routed = svc.balancer.route(
-            count, shape, clusters, policy, time.monotonic(), key or None, exclude
-        )
+        now = time.monotonic()
+        svc.count_restores(ctx.services.metrics, now)
+        routed = svc.balancer.route(count, shape, clusters, policy, now, key or None, exclude)
         if isinstance(routed, admission.Reject):
             return routed.error
         cluster = routed.cluster  # type: ignore[assignment]  # the model's own ClusterServices
         verdict, reason = routed.admit, routed.reason
+        if routed.spill is not None and routed.home is not None:
+            ctx.services.metrics.affinity_spills.labels(
+                svc.name, routed.home.name, routed.spill
+            ).inc()
     ctx.cluster, ctx.upstream, ctx.verdict = cluster, cluster.name, verdict
     ctx.services.metrics.routing_decisions.labels(svc.name, cluster.name, reason).inc()
     ctx.reply_headers["X-Kvproxy-Decision"] = "admitted"
@@ -513,6 +544,14 @@ def move_cluster(ctx: RequestContext) -> Stop | None:
     return None
 
 
+def refuse_body_on_read(ctx: RequestContext) -> Stop | None:
+    """A pass-through GET or HEAD carries no body: refused before it is read (never
+    forwarded). aiohttp reads a body only where Content-Length or chunked framing says so."""
+    if ctx.method in ("GET", "HEAD") and ctx.request.body_exists:
+        return errors.body_not_allowed(ctx.method)
+    return None
+
+
 def passthrough_upstream(ctx: RequestContext) -> Stop | None:
     # The single-model form with `upstreams` has no top-level router: a pass-through route
     # goes to one of its clusters (the `models:` form keeps the top-level `upstream`).
@@ -535,7 +574,9 @@ COUNTED = _plan(
     recheck_after_queue,
     clamp,
 )
-PASSTHROUGH = _plan(*EVERY_REQUEST, passthrough_upstream, body_counted)
+PASSTHROUGH = _plan(
+    *EVERY_REQUEST[:4], refuse_body_on_read, *EVERY_REQUEST[4:], passthrough_upstream, body_counted
+)
 REFUSED = _plan(*EVERY_REQUEST)
 # After a connect failure: another cluster, its budget, its limits, its clamp.
 RETRY = _plan(move_cluster, pick_cluster, take_budget, recheck_after_queue, clamp)

@@ -76,6 +76,9 @@ class ClusterServices:
     def pool_tokens(self) -> int | None:
         return self.capacity.pool_tokens()
 
+    def room_now(self, tokens: int) -> bool:
+        return self.budget.room_now(tokens)
+
     def ready(self) -> bool:
         return self.capacity.ready() and not self.capacity.posture.blocks_ready()
 
@@ -92,6 +95,7 @@ class ClusterServices:
             # Wall-clock seconds, like the monitor's timestamps; None while not ejected.
             "ejected_until": round(time.time() + self.health.until - now, 3) if ejected else None,
             "consecutive_ejections": self.health.consecutive,
+            "ejection_cause": self.health.cause if ejected else None,
             **self.capacity_json(),
         }
 
@@ -111,6 +115,7 @@ class ModelServices:
     gateway: bool = False
     affinity_header: str | None = None
     balancer: routing.Balancer = field(default_factory=routing.Balancer)
+    outliers: routing.Outliers | None = None
 
     @property
     def capacity(self) -> CapacityMonitor:
@@ -164,17 +169,45 @@ class ModelServices:
                 return c
         return self.clusters[0]
 
-    def eject(self, cluster: ClusterServices, cause: routing.EjectionCause, metrics: Any) -> None:
-        """Passive health: a connect failure or a 5xx from the cluster's router."""
-        if cluster.health.eject(time.monotonic()):
-            metrics.upstream_ejections.labels(self.name, cluster.name, cause).inc()
+    def observe(
+        self, cluster: ClusterServices, outcome: routing.Outcome, source: str, metrics: Any
+    ) -> None:
+        """Passive health: one exchange's outcome with the cluster's router (outlier
+        detection, kvproxy.policy.routing.Outliers)."""
+        metrics.upstream_outcomes.labels(self.name, cluster.name, outcome).inc()
+        if self.outliers is None:
+            return
+        now = time.monotonic()
+        self.count_restores(metrics, now)
+        got = self.outliers.observe(cluster.name, outcome, source, now)
+        if isinstance(got, routing.Capped):
+            metrics.upstream_ejections_capped.labels(self.name, cluster.name, got.cause).inc()
             log.warning(
-                "upstream cluster %s of model %s ejected for %.1f s (%s, %d in a row)",
+                "upstream cluster %s of model %s not ejected (%s): the share of clusters "
+                "ejected at once is at its cap",
                 cluster.name,
                 self.name,
-                cluster.health.until - time.monotonic(),
-                cause,
-                cluster.health.consecutive,
+                got.cause,
+            )
+        elif got is not None:
+            metrics.upstream_ejections.labels(self.name, cluster.name, got.cause).inc()
+            log.warning(
+                "upstream cluster %s of model %s ejected for %.1f s (%s, ejection level %d)",
+                cluster.name,
+                self.name,
+                got.ejected_for_s,
+                got.cause,
+                got.level,
+            )
+
+    def count_restores(self, metrics: Any, now: float) -> None:
+        """Clusters whose back-off passed: counted by the cause they were ejected for."""
+        if self.outliers is None:
+            return
+        for name, cause in self.outliers.restored(now):
+            metrics.upstream_restores.labels(self.name, name, cause).inc()
+            log.info(
+                "upstream cluster %s of model %s restored (was ejected: %s)", name, self.name, cause
             )
 
 
@@ -364,7 +397,11 @@ def _model_services(
         cs = settings.for_cluster(spec, cluster)
         metrics.add_cluster(name, cluster.name)
         budget = build_budget(cs, metrics, name)
-        health = routing.Health(settings.upstream_eject_s, settings.upstream_eject_max_s)
+        health = routing.Health(
+            settings.upstream_eject_s,
+            settings.upstream_eject_max_s,
+            settings.upstream_outlier_interval_s,
+        )
         clusters.append(
             ClusterServices(
                 name=cluster.name,
@@ -390,6 +427,15 @@ def _model_services(
         _publish_cluster(metrics, name, clusters[-1])
     if gateway:
         _publish_model(metrics, name, tuple(clusters))
+    policy = routing.OutlierPolicy(
+        consecutive=settings.upstream_outlier_consecutive,
+        base_s=settings.upstream_eject_s,
+        max_s=settings.upstream_eject_max_s,
+        max_ejected_share=settings.upstream_outlier_max_ejected_share,
+        interval_s=settings.upstream_outlier_interval_s,
+        success_rate_min_requests=settings.upstream_outlier_success_rate_min_requests,
+        success_rate_margin=settings.upstream_outlier_success_rate_margin,
+    )
     return ModelServices(
         name=name,
         aliases=spec.aliases,
@@ -398,6 +444,10 @@ def _model_services(
         clusters=tuple(clusters),
         gateway=gateway,
         affinity_header=settings.affinity_for(spec),
+        # One cluster has nothing to eject it in favour of: no outlier detection.
+        outliers=routing.Outliers(policy, {c.name: c.health for c in clusters})
+        if len(clusters) > 1
+        else None,
     )
 
 

@@ -11,6 +11,10 @@ Two resources, each bounded before the request's body is read:
                     reply). The limit is `max_connections`, or derived from the process's
                     soft RLIMIT_NOFILE: each public connection may need one upstream
                     connection, and FD_RESERVE descriptors are kept for everything else.
+                    Before shedding, the longest idle connection (kept alive after a
+                    request, or never sent a byte) is closed to let the new one in, as
+                    nginx reuses its idle keep-alive connections under pressure
+                    (`close_idle`).
     body memory     bytes of request bodies being read or counted at once
                     (`BodyMemoryGate`, `max_body_memory_bytes`). A body reserves its
                     Content-Length (or `max_body_bytes` when it has none: chunked) before
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import resource
+from collections.abc import Callable
 
 # Descriptors kept apart from the public/upstream pairs: the listening and admin sockets,
 # the event loop's own, logs, the engines' probes, Redis, the tokenizer's files, metrics
@@ -36,7 +41,12 @@ import resource
 # machine: tests/faults/ reads it); 64 leaves room for the probes of a few dozen engines.
 FD_RESERVE = 64
 # The (resource, action) series of kvproxy_overload_shed_total, created at start at zero.
-SHED_SERIES = (("connections", "reply"), ("connections", "drop"), ("body_memory", "reply"))
+SHED_SERIES = (
+    ("connections", "reply"),
+    ("connections", "drop"),
+    ("connections", "close_idle"),
+    ("body_memory", "reply"),
+)
 
 
 def derived_connection_limit(reserve: int = FD_RESERVE) -> int:
@@ -52,7 +62,7 @@ class ConnectionGate:
     """Counts the public connections and decides, when one is accepted, whether it is
     served, answered 503 (`shed`), or dropped."""
 
-    __slots__ = ("drop_above", "limit", "open", "shed_total")
+    __slots__ = ("drop_above", "idle", "limit", "open", "reclaimed", "shed_total")
 
     def __init__(self, limit: int, reserve: int = FD_RESERVE) -> None:
         self.limit = limit
@@ -60,16 +70,35 @@ class ConnectionGate:
         self.drop_above = limit + max(1, reserve // 2)
         self.open = 0
         self.shed_total = 0
+        self.reclaimed = 0
+        # Idle connections, the longest idle first (a dict keeps insertion order): each
+        # value closes that connection.
+        self.idle: dict[object, Callable[[], None]] = {}
 
     def opened(self) -> str:
-        """A connection was accepted: "serve", "shed" (answer 503) or "drop"."""
+        """A connection was accepted: "serve", "shed" (answer 503) or "drop". At the limit,
+        the longest idle connection is closed first and the new one served."""
+        if self.open >= self.limit and self.idle:
+            conn = next(iter(self.idle))
+            close = self.idle.pop(conn)
+            self.open -= 1  # its close is counted now (`close` must not count it again)
+            self.reclaimed += 1
+            close()
         self.open += 1
         if self.open <= self.limit:
             return "serve"
         self.shed_total += 1
         return "shed" if self.open <= self.drop_above else "drop"
 
-    def closed(self) -> None:
+    def went_idle(self, conn: object, close: Callable[[], None]) -> None:
+        self.idle.pop(conn, None)
+        self.idle[conn] = close  # to the end: the most recently idle
+
+    def busy(self, conn: object) -> None:
+        self.idle.pop(conn, None)
+
+    def closed(self, conn: object = None) -> None:
+        self.idle.pop(conn, None)
         self.open -= 1
 
 

@@ -24,6 +24,7 @@ import logging
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -40,6 +41,9 @@ from kvproxy.upstream import UpstreamResponse, network_boundary
 
 log = logging.getLogger("kvproxy.relay")
 
+# The bytes of a 5xx body kept to tell a request's error from the router's: the routers'
+# error bodies are one small JSON object.
+ERROR_BODY_BYTES = 4096
 # struct linger {l_onoff = 1, l_linger = 0}: close() sends RST instead of FIN.
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
@@ -102,6 +106,13 @@ class Exchange:
         # The upstream failure that ended the exchange, if one did (the handler's passive
         # health reads it with `upstream`: a connect failure, or a 5xx head).
         self.failure: UpstreamFailure | None = None
+        # No head within the read timeout: passive health hears of it at once (a hung
+        # router), not when the held request ends, minutes later.
+        self.head_timed_out = False
+        self.on_head_timeout: Callable[[], None] | None = None
+        # The first bytes of a 5xx body: whether the request caused it is in there
+        # (kvproxy.policy.routing.request_caused_5xx).
+        self.error_body = b""
 
     @property
     def not_sent(self) -> bool:
@@ -261,13 +272,18 @@ class Exchange:
             self.machine.handle(drain.UpstreamHeaders(time.monotonic()))
             return up
 
-    async def _fail_midway(self, err: KvproxyError) -> web.StreamResponse | None:
+    async def _fail_midway(
+        self, err: KvproxyError, close: bool = False
+    ) -> web.StreamResponse | None:
         """The upstream broke after its headers: end the client's stream with an error event
-        if it already started, else answer with the error."""
+        if it already started, else answer with the error. `close`: and close the client's
+        connection either way."""
         resp = self._upstream_failed(err)
         if self.client is not None and not self.machine.client_gone:
-            await self._end_stream_with_error(err)
+            await self._end_stream_with_error(err, close)
             return None
+        if resp is not None and close:
+            resp.force_close()
         return resp
 
     def _upstream_failed(self, err: KvproxyError) -> web.StreamResponse | None:
@@ -350,10 +366,17 @@ class Exchange:
                 self.machine.handle(drain.UpstreamEOF(now))
                 return await self._finish(up, end)
             got_first = True
+            if up.status >= 500 and len(self.error_body) < ERROR_BODY_BYTES:
+                self.error_body += chunk[: ERROR_BODY_BYTES - len(self.error_body)]
             try:
                 step = insp.feed(chunk)
             except SSEError:
-                return await self._fail_midway(errors.upstream_bad_response("oversized SSE event"))
+                # An event (a line) past the bound: the stream ends with the error event, or
+                # the error when nothing was relayed yet, and the client's connection closes:
+                # whatever the upstream still pours is nobody's.
+                return await self._fail_midway(
+                    errors.upstream_bad_response("oversized SSE event"), close=True
+                )
             if step.output or not is_sse:
                 # TTFT: the first generated output of a stream (whatever field carries it),
                 # the first body byte of anything else.
@@ -399,6 +422,10 @@ class Exchange:
         self.record.upstream_outcome = err.code
         self.services.metrics.upstream_errors.labels(err.code).inc()
         self.services.metrics.deferred_in_progress.labels(self.record.upstream_label).inc()
+        if self.upstream is None and not self.head_timed_out:
+            self.head_timed_out = True
+            if self.on_head_timeout is not None:
+                self.on_head_timeout()
         if self.client is not None:
             await self._end_stream_with_error(err)
             return
@@ -494,13 +521,17 @@ class Exchange:
             return None
         return error_response(err, self.extra_headers, self.style)
 
-    async def _end_stream_with_error(self, err: KvproxyError) -> None:
+    async def _end_stream_with_error(self, err: KvproxyError, close: bool = False) -> None:
         """A response already started cannot be completed: an event stream ends with the
         documented error event; any other body with the client's connection reset before
         its framing (a length, or chunks) completes, as nginx and Envoy end it. Padding it
         to its length, or a last chunk, would hand a client a complete-looking lie."""
         assert self.client is not None
         if self.upstream is not None and _is_sse(self.upstream):
+            if close:
+                # Closed after the event (an upstream still pouring an oversized event): a
+                # client reading to the end learns it is over now.
+                self.client.force_close()
             with contextlib.suppress(ConnectionResetError, RuntimeError):
                 await self.client.write(errors.sse_error_event(err, self.style))
                 await self.client.write_eof()

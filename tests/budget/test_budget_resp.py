@@ -327,3 +327,53 @@ async def test_a_restarted_redis_is_reached_again_on_a_fresh_connection(tmp_path
         await server.start()
         assert await client.ping() == b"PONG"
         await client.aclose()
+
+
+# --- replies that are not the scripts' -----------------------------------------------------
+
+NONSENSE = {
+    "ok": lambda cmd: b"+OK\r\n",
+    "zero": lambda cmd: b":0\r\n",
+    "short": lambda cmd: b"*2\r\n:1\r\n:0\r\n",
+    "strings": lambda cmd: b"*4\r\n$1\r\na\r\n$1\r\nb\r\n$1\r\nc\r\n$1\r\nd\r\n",
+    "nested": lambda cmd: b"*4\r\n*0\r\n:0\r\n:0\r\n:0\r\n",
+}
+
+
+@pytest.mark.parametrize("reply", list(NONSENSE))
+@pytest.mark.parametrize("policy", ["local_share", "reject"])
+def test_a_redis_answering_nonsense_is_redis_unavailable(
+    reply: str, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis, or a proxy in front of one, that answers `+OK` or `:0` (or an array of the
+    wrong arity or types) to the scripts: the budget is Redis unavailable under the
+    configured policy, never an exception the request path turns into a 500, and no task
+    dies with its exception unretrieved."""
+
+    async def scenario() -> None:
+        async with scripted(NONSENSE[reply]) as s:
+            settings = load_settings(
+                budget_backend="redis",
+                redis_url=s.url,
+                redis_unavailable=policy,
+                max_inflight_prompt_tokens=1_000,
+                redis_lease_ttl_s=0.3,
+            )
+            budget = build_budget(settings, Metrics())
+            await budget.start()
+            try:
+                for _ in range(3):
+                    if policy == "local_share":
+                        lease = await budget.acquire(10)
+                        lease.release()
+                    else:
+                        with pytest.raises(Exception) as caught:
+                            await budget.acquire(10)
+                        assert getattr(caught.value, "code", None) == "budget_unavailable"
+                await asyncio.sleep(0.25)  # a renewal round on the nonsense too
+            finally:
+                await budget.aclose()
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(scenario())
+    assert "Task exception was never retrieved" not in caplog.text

@@ -21,7 +21,10 @@ Loopback only; every wait is bounded in tries and time.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from real_router import MODEL, real_router
 
 from kvproxy.config import load_settings
 from kvproxy.observe import Metrics
+from kvproxy.policy.routing import rendezvous
 from kvproxy.serve.app import KvproxyServer
 from kvproxy.sim.launcher import SimCluster, SimOptions
 
@@ -78,7 +82,9 @@ def engines(sim: SimCluster, name: str) -> list[dict[str, Any]]:
 
 
 @contextlib.asynccontextmanager
-async def gateway(clusters: dict[str, tuple[SimCluster, str]]) -> AsyncIterator[KvproxyServer]:
+async def gateway(
+    clusters: dict[str, tuple[SimCluster, str]], **overrides: Any
+) -> AsyncIterator[KvproxyServer]:
     """kvproxy with one `upstreams` entry per cluster (its smg URL, its sim's engines)."""
     settings = load_settings(
         listen="127.0.0.1:0",
@@ -92,6 +98,7 @@ async def gateway(clusters: dict[str, tuple[SimCluster, str]]) -> AsyncIterator[
         capacity_refresh_s=0.5,
         capacity_stale_s=1.5,
         capacity_probe_timeout_s=1.0,
+        **overrides,
     )
     server = KvproxyServer(settings, Metrics())
     await server.start()
@@ -350,3 +357,222 @@ async def test_gateway_routes_by_fit_then_weight_behind_real_smg(tmp_path: Path)
             assert stats[role]["rejections_at_admission"] == 0, (role, stats[role])
             assert stats[role]["pending_rejections"] == 0, (role, stats[role])
         assert leak_counters(stats) == dict.fromkeys(leak_counters(stats), 0)
+
+
+# --- hostile tenants and failing routers (issue 49) ------------------------------------------
+
+
+class ResettingFront:
+    """A TCP front for one cluster's smg: while `broken`, it reads each request (head and
+    body) and resets the connection (SO_LINGER 0) without an answer; otherwise it pipes the
+    connection to smg. Counts the requests it reset."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.removeprefix("http://").rpartition(":")
+        self.target = (host, int(port))
+        self.broken = False
+        self.resets = 0
+        self.server: asyncio.Server | None = None
+        self.piped: list[asyncio.StreamWriter] = []
+
+    async def break_now(self) -> None:
+        """Broken from the next connection on; the kept-alive ones are cut now (kvproxy
+        opens new ones, which are reset)."""
+        self.broken = True
+        for w in self.piped:
+            w.transport.abort()
+        self.piped.clear()
+        await asyncio.sleep(0.2)  # kvproxy's pool sees them closed
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.broken:
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, ValueError):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        await reader.readexactly(int(line.split(b":", 1)[1]))
+            self.resets += 1
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            return
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self.piped.append(writer)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def __aenter__(self) -> ResettingFront:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.server.wait_closed(), 5)
+
+
+async def test_gateway_hostile_tenant_resetting_router_and_full_budget_behind_real_smg(
+    tmp_path: Path,
+) -> None:
+    """Two clusters behind real smg 1.13, the small one through a front that can reset every
+    request. Judged on the simulators' ground truth (which cluster's engines saw what):
+      1. a hostile tenant whose requests smg answers 503 (a model no worker serves), ten of
+         them pinned to the small cluster by a session key: the cluster is not ejected, and
+         another tenant's traffic keeps its weighted share there (5 of 20 at 1:3);
+      2. a sticky key whose home's budget is full (one request in flight, the limit one) is
+         served at once by the idle cluster: no 429, counted as a budget_full spill;
+      3. a router that resets every request after reading it is ejected after exactly five
+         resets (the threshold), and back once it answers again and its back-off passed.
+    """
+    small_opts = SimOptions(**SIM, prefill_pool_tokens=POOLS["small"])
+    large_opts = SimOptions(**SIM, prefill_pool_tokens=POOLS["large"])
+    async with (
+        SimCluster(small_opts) as small,
+        SimCluster(large_opts) as large,
+        real_router(small, tmp_path / "smg-small.log") as small_router,
+        real_router(large, tmp_path / "smg-large.log") as large_router,
+        ResettingFront(small_router.url) as front,
+        aiohttp.ClientSession() as http,
+    ):
+        sims = {"small": small, "large": large}
+        clusters = {"small": (small, front.url), "large": (large, large_router.url)}
+        truth = Truth(http, sims)
+        async with gateway(
+            clusters, max_inflight_requests=1, queue_timeout_s=30, upstream_eject_s=1.0
+        ) as proxy:
+
+            async def measured() -> bool:
+                return all(
+                    sample(proxy, "kvproxy_upstream_capacity_known", model="default", upstream=n)
+                    == 1
+                    for n in sims
+                )
+
+            assert await poll(measured, timeout_s=30, interval_s=0.05)
+            homes = {
+                f"session-{i}": rendezvous(f"session-{i}", proxy.services.models.first.clusters)
+                for i in range(64)
+            }
+            small_key = next(k for k, c in homes.items() if c is not None and c.name == "small")
+
+            # 1. The hostile tenant: smg answers 503 no_available_workers (its model).
+            async def hostile() -> list[int]:
+                out = []
+                for _ in range(10):
+                    body = {"model": "no-such-model", "prompt": prompt(64), "max_tokens": 1}
+                    async with http.post(
+                        proxy.public_url + COMPLETIONS,
+                        json=body,
+                        headers={AFFINITY: small_key, "Authorization": "Bearer hostile"},
+                    ) as resp:
+                        out.append(resp.status)
+                return out
+
+            hostile_status = await hostile()
+            hostile_ejections = sample(
+                proxy,
+                "kvproxy_upstream_ejections_total",
+                model="default",
+                upstream="small",
+                cause="status_5xx",
+            )
+
+            async def other_tenant() -> list[int]:
+                return [
+                    (await completion(http, proxy, SPREAD_TOKENS, {"Authorization": "Bearer b"}))[0]
+                    for _ in range(20)
+                ]
+
+            other_status, other_delta = await truth.around(other_tenant)
+
+            # 2. A sticky key whose home's budget is full.
+            before = await truth.read()
+            held = asyncio.ensure_future(
+                completion(http, proxy, 5000, {AFFINITY: small_key, "Authorization": "Bearer b"})
+            )
+
+            async def small_busy() -> bool:
+                return bool((await sim_stats(http, small))["prefill"]["running"] >= 1)
+
+            assert await poll(small_busy, timeout_s=30, interval_s=0.005)
+            spill_status, _, _ = await completion(
+                http, proxy, SPREAD_TOKENS, {AFFINITY: small_key, "Authorization": "Bearer b"}
+            )
+            spill_while_held = not held.done()
+            held_status, _, _ = await held
+            after = await truth.read()
+            spills = sample(
+                proxy,
+                "kvproxy_affinity_spills_total",
+                model="default",
+                upstream="small",
+                reason="budget_full",
+            )
+
+            # 3. The small cluster's router resets every request after reading it.
+            await front.break_now()
+            resets_at_ejection = -1
+            broken_status = []
+            for _ in range(20):  # bounded: round-robin sends it one request in four
+                broken_status.append((await completion(http, proxy, SPREAD_TOKENS))[0])
+                if sample(proxy, "kvproxy_upstream_ejected", model="default", upstream="small"):
+                    resets_at_ejection = front.resets
+                    break
+            reset_ejections = sample(
+                proxy,
+                "kvproxy_upstream_ejections_total",
+                model="default",
+                upstream="small",
+                cause="reset",
+            )
+            front.broken = False
+            await asyncio.sleep(1.1)  # the back-off (1 s) passes
+
+            async def back() -> list[int]:
+                return [(await completion(http, proxy, SPREAD_TOKENS))[0] for _ in range(8)]
+
+            back_status, back_delta = await truth.around(back)
+            restores = sample(
+                proxy,
+                "kvproxy_upstream_restores_total",
+                model="default",
+                upstream="small",
+                cause="reset",
+            )
+
+    # 1. Ten 503s of one tenant: no ejection; the other tenant's share on the small cluster
+    # is its weight's (round-robin over idle clusters: exactly 1 in 4).
+    assert hostile_status == [503] * 10
+    assert hostile_ejections == 0
+    assert other_status == [200] * 20
+    assert other_delta["small"][0] == 5, other_delta
+    assert other_delta["large"][0] == 15, other_delta
+
+    # 2. Served at once by the idle cluster while the home's one slot was held.
+    assert spill_status == 200
+    assert spill_while_held
+    assert held_status == 200
+    assert after["large"][0] - before["large"][0] == 1
+    assert after["small"][0] - before["small"][0] == 1  # the held one only
+    assert spills == 1
+
+    # 3. Ejected at the threshold, back once healed.
+    assert resets_at_ejection == 5, (front.resets, broken_status)
+    assert broken_status.count(502) == 5
+    assert reset_ejections == 1
+    assert back_status == [200] * 8
+    assert back_delta["small"][0] == 2, back_delta  # its share again: 1 in 4
+    assert restores == 1

@@ -40,13 +40,8 @@ def test_counted_routes(path: str, route: str) -> None:
     [
         ("GET", "/health"),
         ("HEAD", "/health"),
-        ("GET", "/health_generate"),
         ("GET", "/v1/models"),
         ("GET", "/v1/models/Qwen/Qwen3-8B"),
-        ("GET", "/get_model_info"),
-        ("GET", "/server_info"),
-        ("GET", "/metrics"),
-        ("GET", "/version"),
         ("POST", "/v1/tokenize"),
         ("POST", "/tokenize"),
         ("POST", "/v1/detokenize"),
@@ -102,6 +97,100 @@ def test_everything_else_is_refused(method: str, path: str) -> None:
     assert (match.kind, match.route, match.label) == ("refused", None, "refused")
     assert match.why
     assert path not in match.why or path == ""  # the path is never quoted back
+
+
+# The internal routes of the upstreams kvproxy fronts, from their sources: smg 1.13
+# (model_gateway/src/server.rs: `public_routes` beyond /health and /v1/models, `admin_routes`,
+# `worker_routes`, `mesh_routes`), SGLang (python/sglang/srt/entrypoints/http_server.py) and
+# vLLM (vllm/entrypoints/openai/api_server.py and its dev-mode routes). Metrics and load
+# are a side channel on other tenants (queue depth; vLLM's prefix-cache counters); the rest
+# change or probe the serving state.
+INTERNAL_ROUTES = [
+    # smg
+    ("GET", "/liveness"),
+    ("GET", "/readiness"),
+    ("GET", "/health_generate"),
+    ("GET", "/engine_metrics"),
+    ("GET", "/get_model_info"),
+    ("GET", "/get_server_info"),
+    ("POST", "/flush_cache"),
+    ("GET", "/get_loads"),
+    ("POST", "/parse/function_call"),
+    ("POST", "/parse/reasoning"),
+    ("POST", "/wasm"),
+    ("GET", "/wasm"),
+    ("POST", "/v1/tokenizers"),
+    ("GET", "/v1/tokenizers/t1/status"),
+    ("POST", "/v1/skills"),
+    ("GET", "/workers"),
+    ("POST", "/workers"),
+    ("DELETE", "/workers/w1"),
+    ("GET", "/ha/status"),
+    ("POST", "/ha/shutdown"),
+    ("POST", "/ha/config"),
+    # SGLang
+    ("GET", "/metrics"),
+    ("GET", "/server_info"),
+    ("GET", "/model_info"),
+    ("GET", "/get_load"),
+    ("GET", "/version"),
+    ("GET", "/healthz"),
+    ("GET", "/ping"),
+    ("POST", "/flush_cache"),
+    ("GET", "/flush_cache"),
+    ("POST", "/update_weights_from_disk"),
+    ("POST", "/update_weights_from_tensor"),
+    ("POST", "/update_weights_from_distributed"),
+    ("POST", "/update_weights_from_ipc"),
+    ("POST", "/init_weights_update_group"),
+    ("POST", "/destroy_weights_update_group"),
+    ("GET", "/get_weights_by_name"),
+    ("POST", "/release_memory_occupation"),
+    ("POST", "/resume_memory_occupation"),
+    ("POST", "/start_profile"),
+    ("POST", "/stop_profile"),
+    ("POST", "/abort_request"),
+    ("POST", "/configure_logging"),
+    ("POST", "/open_session"),
+    ("POST", "/close_session"),
+    ("POST", "/set_internal_state"),
+    ("GET", "/get_internal_state"),
+    ("POST", "/slow_down"),
+    ("POST", "/pause_generation"),
+    ("POST", "/continue_generation"),
+    ("POST", "/load_lora_adapter"),
+    ("POST", "/unload_lora_adapter"),
+    ("POST", "/start_expert_distribution_record"),
+    ("POST", "/dump_expert_distribution_record"),
+    ("POST", "/update_weight_version"),
+    ("POST", "/freeze_gc"),
+    # vLLM
+    ("GET", "/load"),
+    ("POST", "/reset_prefix_cache"),
+    ("POST", "/reset_mm_cache"),
+    ("POST", "/sleep"),
+    ("POST", "/wake_up"),
+    ("GET", "/is_sleeping"),
+    ("POST", "/collective_rpc"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
+    ("POST", "/scale_elastic_ep"),
+    ("POST", "/pause"),
+    ("POST", "/resume"),
+    ("POST", "/update_weights"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), INTERNAL_ROUTES)
+def test_no_internal_route_of_smg_sglang_or_vllm_passes_by_default(method: str, path: str) -> None:
+    assert TABLE.classify(method, path).kind == "refused"
+    assert TABLE.classify("HEAD" if method == "GET" else method, path).kind == "refused"
+
+
+def test_an_operator_may_open_an_internal_route_explicitly() -> None:
+    table = parse_passthrough(["GET /metrics"])
+    assert table.classify("GET", "/metrics").kind == "passthrough"
+    assert table.classify("POST", "/flush_cache").kind == "refused"
 
 
 def test_operator_routes() -> None:

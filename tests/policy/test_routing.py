@@ -3,6 +3,7 @@ weights, the refusal that names the largest limit, ejection and its back-off, af
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -12,7 +13,18 @@ from hypothesis import strategies as st
 
 from kvproxy.policy import admission
 from kvproxy.policy.counts import TokenCount
-from kvproxy.policy.routing import Balancer, Health, Routed, count_ceiling, rendezvous
+from kvproxy.policy.routing import (
+    Balancer,
+    Capped,
+    Ejection,
+    Health,
+    OutlierPolicy,
+    Outliers,
+    Routed,
+    count_ceiling,
+    rendezvous,
+    request_caused_5xx,
+)
 
 POLICY = admission.Policy()
 # The two simulator clusters: published limits 5,315 and 10,637.
@@ -48,6 +60,10 @@ class Cl:
     inflight: int = 0
     pool: int | None = None
     health: Health = field(default_factory=lambda: Health(10.0, 120.0))
+    room: bool = True  # the budget lends now
+
+    def room_now(self, tokens: int) -> bool:
+        return self.room
 
     def limits(self) -> Lim:
         if self.limit is None:
@@ -146,19 +162,25 @@ def test_count_ceiling_is_the_largest_measured_clusters() -> None:
     assert count_ceiling([Cl("a", None)], Shape(), POLICY) is None
 
 
-def test_ejection_backs_off_doubling_up_to_the_max() -> None:
-    h = Health(10.0, 35.0)
+def test_ejection_backs_off_doubling_up_to_the_max_and_decays_with_health() -> None:
+    h = Health(10.0, 35.0, decay_s=50.0)
     assert h.eject(100.0)
     assert h.ejected(109.9)
     assert not h.ejected(110.0)
-    assert not h.eject(105.0)  # already ejected: the streak does not grow
+    assert not h.eject(105.0)  # already ejected: the level does not grow
     assert h.eject(110.0)
     assert h.until == 130.0
     assert h.eject(130.0)
     assert h.until == 165.0
+    # A success does not reset the back-off (one 2xx was all a tenant needed to keep the
+    # lever cheap); health does, one level per decay_s out of ejection.
     h.ok()
-    assert h.eject(200.0)
-    assert h.until == 210.0
+    assert h.eject(165.0)
+    assert h.until == 200.0  # level 3: capped at 35
+    assert h.eject(200.0 + 2 * 50.0)  # 100 s healthy: level 4 - 2 = 2
+    assert h.until == 300.0 + 35.0
+    assert h.eject(335.0 + 10 * 50.0)  # long healthy: from the base again
+    assert h.until == 835.0 + 10.0
 
 
 def test_an_ejected_cluster_gets_nothing_while_another_fits() -> None:
@@ -221,3 +243,171 @@ def test_an_ejected_affinity_home_is_skipped(key: str | None) -> None:
         c.health.eject(0.0)
     a.health.until = 0.0  # a is back
     assert route(Balancer(), 10, [a, b], now=1.0, key=key).cluster is a
+
+
+# --- outlier detection ---------------------------------------------------------------------
+
+
+def outliers(*names: str, **kw: object) -> Outliers:
+    policy = OutlierPolicy(**kw)  # type: ignore[arg-type]
+    return Outliers(
+        policy, {n: Health(policy.base_s, policy.max_s, policy.interval_s) for n in names}
+    )
+
+
+def test_one_tenants_5xx_never_ejects_however_many() -> None:
+    o = outliers("a", "b")
+    for i in range(100):
+        assert o.observe("a", "status_5xx", "tenant-x", float(i) * 0.01) is None
+    assert not o.health["a"].ejected(1.0)
+    # Its 5xx counted once; four more sources failing in a row make five.
+    got = [o.observe("a", "status_5xx", f"t{i}", 2.0) for i in range(4)]
+    assert got[:3] == [None] * 3
+    assert isinstance(got[3], Ejection)
+    assert (got[3].cause, got[3].ejected_for_s) == ("status_5xx", 10.0)
+
+
+@pytest.mark.parametrize("kind", ["connect", "reset", "timeout"])
+def test_gateway_failures_eject_after_the_consecutive_threshold(kind: str) -> None:
+    o = outliers("a", "b", consecutive=5)
+    for i in range(4):
+        assert o.observe("a", kind, "same", float(i)) is None  # type: ignore[arg-type]
+    got = o.observe("a", kind, "same", 4.0)  # type: ignore[arg-type]
+    assert isinstance(got, Ejection)
+    assert got.cause == kind
+    assert o.health["a"].ejected(5.0)
+
+
+def test_a_success_ends_the_streak() -> None:
+    o = outliers("a", "b")
+    for i in range(20):
+        assert o.observe("a", "reset", "s", float(i)) is None if i % 4 else True
+        if i % 4 == 3:
+            o.observe("a", "success", "s", float(i))
+    assert not o.health["a"].ejected(20.0)
+
+
+def test_request_caused_5xx_never_counts() -> None:
+    o = outliers("a", "b")
+    for i in range(50):
+        assert o.observe("a", "request_5xx", f"t{i}", 0.0) is None
+    assert o.health["a"].streak == 0
+
+
+def test_never_the_last_cluster_and_the_share_is_capped() -> None:
+    o = outliers("a", "b")
+    for _ in range(5):
+        o.observe("a", "reset", "s", 0.0)
+    assert o.health["a"].ejected(0.5)
+    got = [o.observe("b", "reset", "s", 0.5) for _ in range(5)]
+    assert got[-1] == Capped("b", "reset")
+    assert not o.health["b"].ejected(0.6)
+    # Three of four may be out at a share of 0.75; never all four.
+    o4 = outliers("a", "b", "c", "d", max_ejected_share=1.0)
+    for name in "abcd":
+        for _ in range(5):
+            o4.observe(name, "connect", "s", 0.0)
+    assert o4.ejected_count(0.0) == 3
+
+
+def test_restores_are_reported_once_with_their_cause() -> None:
+    o = outliers("a", "b")
+    for _ in range(5):
+        o.observe("a", "timeout", "s", 0.0)
+    assert o.restored(5.0) == []
+    assert o.restored(10.0) == [("a", "timeout")]
+    assert o.restored(11.0) == []
+    # Back with a clean streak: four more failures do not eject it again.
+    for _ in range(4):
+        assert o.observe("a", "reset", "s", 11.0) is None
+
+
+def test_success_rate_outlier_against_its_siblings() -> None:
+    o = outliers("a", "b", consecutive=1000)
+    t = 0.0
+    got = None
+    for i in range(40):
+        t += 0.1
+        o.observe("b", "success", "s", t)
+        # a: every other request a reset (never five in a row).
+        got = o.observe("a", "reset" if i % 2 else "success", "s", t) or got
+    assert isinstance(got, Ejection)
+    assert got.cause == "success_rate"
+
+
+def test_success_rate_ignores_one_tenants_5xx() -> None:
+    o = outliers("a", "b", consecutive=1000)
+    t = 0.0
+    for _ in range(100):
+        t += 0.01
+        o.observe("b", "success", "good", t)
+        assert o.observe("a", "status_5xx", "bad", t) is None
+        o.observe("a", "success", "good", t)
+    assert not o.health["a"].ejected(t)
+
+
+def err(**fields: object) -> bytes:
+    return json.dumps({"error": fields}).encode()
+
+
+JSON = "application/json"
+SMG_422 = "Prefill server error (422 Unprocessable Entity): x"
+
+
+@pytest.mark.parametrize(
+    ("status", "ctype", "body", "caused"),
+    [
+        # vLLM >= 0.10.1: the error type and the status it means.
+        (500, JSON, err(message="x", type="BadRequestError", code=400), True),
+        # SGLang: flat, with "object": "error".
+        (500, JSON, b'{"object":"error","message":"x","type":"BadRequest","code":400}', True),
+        # smg: a prefill 422 answered as a 500.
+        (500, JSON, err(type="internal_error", code="prefill_error", message=SMG_422), True),
+        (501, "text/plain", b"", True),
+        (500, JSON, err(message="x", type="InternalServerError", code=500), False),
+        (503, JSON, err(type="x", code="no_available_workers", message="No workers"), False),
+        (502, "text/html", b"<html>bad gateway</html>", False),
+        (500, JSON, b"{not json", False),
+        (500, JSON, b"", False),
+        (500, JSON, err(code=True), False),
+    ],
+)
+def test_request_caused_5xx_from_what_the_routers_send(
+    status: int, ctype: str, body: bytes, caused: bool
+) -> None:
+    assert request_caused_5xx(status, ctype, body) is caused
+
+
+# --- affinity spills -----------------------------------------------------------------------
+
+
+def home_of(clusters: list[Cl], want: Cl) -> str:
+    return next(k for k in (f"k{i}" for i in range(1000)) if rendezvous(k, clusters) is want)
+
+
+@pytest.mark.parametrize("why", ["unmeasured", "ejected", "limit", "budget_full"])
+def test_a_sticky_key_spills_at_once_when_its_home_cannot_take_it(why: str) -> None:
+    a, b = Cl("a", LARGE), Cl("b", LARGE)
+    key = home_of([a, b], a)
+    if why == "unmeasured":
+        a.limit = None
+    elif why == "ejected":
+        a.health.eject(0.0)
+    elif why == "limit":
+        a.limit = 100
+    else:
+        a.room = False
+    got = route(Balancer(), 200, [a, b], key=key, now=1.0)
+    assert (got.cluster, got.reason, got.spill, got.home) == (b, "fit", why, a)
+
+
+def test_a_full_home_keeps_the_key_when_no_other_cluster_has_room() -> None:
+    a, b = Cl("a", LARGE, room=False), Cl("b", LARGE, room=False)
+    key = home_of([a, b], a)
+    got = route(Balancer(), 10, [a, b], key=key)
+    assert (got.cluster, got.reason, got.spill) == (a, "affinity", None)
+
+
+def test_least_load_prefers_a_cluster_whose_budget_lends_now() -> None:
+    a, b = Cl("a", LARGE, room=False), Cl("b", LARGE, inflight=5_000)
+    assert {route(Balancer(), 10, [a, b]).cluster.name for _ in range(5)} == {"b"}

@@ -222,12 +222,13 @@ async def test_a_connect_failure_moves_the_request_once_and_ejects_the_cluster(
     """The small cluster's engines are measured but its router is gone. Refused, or hanging
     (a lost node, a NetworkPolicy dropping SYNs: before, that was a 504 to every client the
     cluster was picked for), nothing was sent: the request moves once, the cluster is
-    ejected."""
+    ejected after `upstream_outlier_consecutive` (5) connect failures in a row: round-robin
+    sends it every other request until then."""
     with dead_router() as dead:
         async with two_clusters(
             small_url=dead, upstream_eject_s=60, upstream_connect_timeout_s=0.3
         ) as (_small, large, proxy):
-            replies = [await post(http, proxy, 1_000) for _ in range(6)]
+            replies = [await post(http, proxy, 1_000) for _ in range(12)]
             ejected = sample(proxy, "kvproxy_upstream_ejected", model="default", upstream="small")
             ejections = sample(
                 proxy,
@@ -246,31 +247,44 @@ async def test_a_connect_failure_moves_the_request_once_and_ejects_the_cluster(
             reached = await arrived(http, large)
             async with http.get(proxy.admin_url + "/capacity") as resp:
                 capacity = await resp.json()
-    assert [s for s, _ in replies] == [200] * 6
-    assert reached == 6
+    assert [s for s, _ in replies] == [200] * 12
+    assert reached == 12
     assert ejections == 1  # then ejected: the others went straight to the large cluster
     assert ejected == 1
-    assert retries == 1
+    assert retries == 5
     assert capacity["clusters"]["small"]["ejected_until"] is not None
 
 
-async def test_a_5xx_ejects_the_cluster_and_is_never_retried(
-    http: aiohttp.ClientSession, upstream: FakeUpstream
+def failing_router(
+    upstream: FakeUpstream, status: int, body: dict[str, Any], hits: list[str]
 ) -> None:
-    hits = 0
-
     async def failing(request: Any) -> Any:
-        nonlocal hits
-        hits += 1
+        hits.append(request.headers.get("Authorization", ""))
         await request.read()
         from aiohttp import web
 
-        return web.json_response({"error": "boom"}, status=503)
+        return web.json_response(body, status=status)
 
     upstream.route("POST", COMPLETIONS, failing)
+
+
+async def test_one_tenants_5xx_never_ejects_a_cluster_and_is_never_retried(
+    http: aiohttp.ClientSession, upstream: FakeUpstream
+) -> None:
+    """The issue's lever: one tenant whose requests the router answers 5xx. However many,
+    the cluster keeps serving the other tenants; five tenants failing in a row eject it."""
+    hits: list[str] = []
+    failing_router(upstream, 503, {"error": "boom"}, hits)
     await upstream.start()
     async with two_clusters(small_url=upstream.url, upstream_eject_s=60) as (_s, large, proxy):
-        replies = [await post(http, proxy, 1_000) for _ in range(4)]
+        hostile = [await post(http, proxy, 1_000, Authorization="Bearer x") for _ in range(20)]
+        after_hostile = sample(proxy, "kvproxy_upstream_ejected", model="default", upstream="small")
+        many = []
+        for i in range(20):
+            many.append(await post(http, proxy, 1_000, Authorization=f"Bearer t{i}"))
+            if sample(proxy, "kvproxy_upstream_ejected", model="default", upstream="small"):
+                break
+        after = [await post(http, proxy, 1_000, Authorization="Bearer y") for _ in range(4)]
         causes = sample(
             proxy,
             "kvproxy_upstream_ejections_total",
@@ -279,12 +293,171 @@ async def test_a_5xx_ejects_the_cluster_and_is_never_retried(
             cause="status_5xx",
         )
         reached = await arrived(http, large)
-    # The first went to the small cluster (a tie, round-robin) and its 503 was relayed as
-    # is: a POST that reached a router is never sent again. The rest avoided it.
-    assert [s for s, _ in replies] == [503, 200, 200, 200]
-    assert hits == 1
-    assert reached == 3
+    # Ties alternate (round-robin): every other hostile request reached the small cluster,
+    # and its 503 was relayed as is: a POST that reached a router is never sent again.
+    assert [s for s, _ in hostile] == [503, 200] * 10
+    assert after_hostile == 0
+    assert len(hits) == 10 + sum(1 for s, _ in many if s == 503)
+    # The hostile tenant's one counted failure and four other tenants': ejected.
+    assert sum(1 for s, _ in many if s == 503) == 4
+    assert [s for s, _ in after] == [200] * 4
     assert causes == 1
+    assert reached == 10 + sum(1 for s, _ in many if s == 200) + 4
+
+
+async def test_a_5xx_the_request_caused_never_counts(
+    http: aiohttp.ClientSession, upstream: FakeUpstream
+) -> None:
+    """vLLM's and SGLang's error bodies say when a 5xx is the request's (a client error
+    type, a 4xx code): however many tenants get one, the cluster stays in."""
+    hits: list[str] = []
+    body = {"error": {"message": "bad", "type": "BadRequestError", "code": 400}}
+    failing_router(upstream, 500, body, hits)
+    await upstream.start()
+    async with two_clusters(small_url=upstream.url, upstream_eject_s=60) as (_s, _l, proxy):
+        replies = [await post(http, proxy, 1_000, Authorization=f"Bearer t{i}") for i in range(20)]
+        ejected = sample(proxy, "kvproxy_upstream_ejected", model="default", upstream="small")
+        outcomes = sample(
+            proxy,
+            "kvproxy_upstream_outcomes_total",
+            model="default",
+            upstream="small",
+            outcome="request_5xx",
+        )
+    assert [s for s, _ in replies] == [500, 200] * 10
+    assert ejected == 0
+    assert outcomes == 10
+
+
+@contextlib.asynccontextmanager
+async def resetting_router() -> AsyncIterator[tuple[str, list[int], asyncio.Event]]:
+    """A router that reads each request head and resets the connection (SO_LINGER 0), until
+    `healed` is set; then it answers 200 with a completion."""
+    served: list[int] = [0]
+    healed = asyncio.Event()
+
+    async def conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            await reader.readexactly(length)
+            served[0] += 1
+            if not healed.is_set():
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+                writer.transport.abort()
+                return
+            body = b'{"choices":[{"text":"x"}],"usage":{"prompt_tokens":1}}'
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+            writer.close()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.transport.abort()
+
+    server = await asyncio.start_server(conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", served, healed
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_resetting_router_is_ejected_within_the_threshold_and_comes_back(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A router that takes each request and resets the connection, without a 5xx: ejected
+    after five resets in a row (before, never), back once its back-off passed and it
+    answers again."""
+    async with (
+        resetting_router() as (url, served, healed),
+        two_clusters(small_url=url, upstream_eject_s=5.0) as (_s, _large, proxy),
+    ):
+        # Bounded: until it is ejected (round-robin gives it every other request).
+        replies = []
+        for _ in range(30):
+            replies.append(await post(http, proxy, 1_000))
+            if sample(proxy, "kvproxy_upstream_ejected", model="default", upstream="small"):
+                break
+        ejections = sample(
+            proxy,
+            "kvproxy_upstream_ejections_total",
+            model="default",
+            upstream="small",
+            cause="reset",
+        )
+        reset_at_ejection = served[0]
+        healed.set()
+        # Until it serves again: the back-off (5 s) passes, then every other request.
+        back = []
+        for _ in range(200):  # bounded: 20 s
+            back.append(await post(http, proxy, 1_000))
+            if served[0] > reset_at_ejection:
+                break
+            await asyncio.sleep(0.1)
+        restores = sample(
+            proxy,
+            "kvproxy_upstream_restores_total",
+            model="default",
+            upstream="small",
+            cause="reset",
+        )
+    # Every other request reached it (a tie, round-robin) and got 502 until five had.
+    assert [s for s, _ in replies].count(502) == 5
+    assert len(replies) == 9  # the fifth reset, on the ninth request, ejected it
+    assert reset_at_ejection == 5
+    assert ejections == 1
+    assert restores == 1
+    assert all(s == 200 for s, _ in back)
+    assert served[0] == 5 + 1  # back in the rotation, and served
+
+
+async def test_a_sticky_key_whose_budget_is_full_spills_to_the_idle_cluster_at_once(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The issue's starvation: cluster "small" at its in-flight budget (one request, held in
+    a slow prefill); a second request with the same session key went to the queue and got
+    429 after the queue timeout while "large" sat idle. Now it spills to "large" at once."""
+    async with two_clusters(
+        affinity_header="X-Session-ID",
+        max_inflight_requests=1,
+        queue_timeout_s=30,
+        sim={"prefill_us_per_token": 4_000.0},  # 4 s for 1,000 tokens
+    ) as (small, large, proxy):
+        clusters = proxy.services.models.first.clusters
+        key = next(
+            k for k in (f"s{i}" for i in range(100)) if rendezvous(k, clusters).name == "small"
+        )  # type: ignore[union-attr]
+        before = await arrived(http, small)
+        held = asyncio.ensure_future(post(http, proxy, 1_000, **{"X-Session-ID": key}))
+        for _ in range(200):  # bounded: until prefill has it
+            if await arrived(http, small) > before:
+                break
+            await asyncio.sleep(0.02)
+        large_before = await arrived(http, large)
+        status, _ = await post(http, proxy, 10, **{"X-Session-ID": key})
+        # Served while the held one still runs (4 s of prefill): no wait for its budget.
+        still_held = not held.done()
+        spills = sample(
+            proxy,
+            "kvproxy_affinity_spills_total",
+            model="default",
+            upstream="small",
+            reason="budget_full",
+        )
+        large_after = await arrived(http, large)
+        held_status, _ = await held
+    assert status == 200
+    assert large_after - large_before == 1
+    assert spills == 1
+    assert held_status == 200
+    assert still_held
 
 
 async def test_disconnect_during_prefill_is_deferred_under_its_clusters_label(

@@ -6,6 +6,7 @@ the gates' own counters, never on time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
 
 import aiohttp
@@ -208,3 +209,108 @@ async def test_bodies_past_the_memory_budget_queue_then_get_503_overloaded(
 async def _answer_after_read(request: web.Request) -> web.Response:
     await request.read()
     return answer()
+
+
+# --- per-request header timeout, idle keep-alive, idle sockets under the connection limit -----
+
+
+async def _raw(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def _one_response(reader: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await asyncio.wait_for(reader.readexactly(length), 10)
+    return head
+
+
+async def _closed(reader: asyncio.StreamReader, within_s: float = 10.0) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(1), within_s) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def test_a_kept_alive_connections_second_head_trickled_past_the_header_timeout_is_closed(
+    upstream: FakeUpstream,
+) -> None:
+    """The header timeout held for a connection's first request only: the second head on a
+    kept-alive connection could trickle forever. Now each head gets the timeout from its
+    first byte: the trickle is cut long before its end."""
+    upstream.route("GET", "/health", lambda r: _ok())
+    await upstream.start()
+    async with running_proxy(upstream.url, header_read_timeout_s=0.5) as proxy:
+        reader, writer = await _raw(proxy.public_url)
+        writer.write(HEALTH)
+        assert b" 200 " in await _one_response(reader)
+        trickle = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+        sent = 0
+        closed = asyncio.ensure_future(_closed(reader, 30))
+        for byte in trickle:  # ~20 s at 0.1 s a byte if nothing cuts it
+            if closed.done():
+                break
+            with contextlib.suppress(ConnectionError):
+                writer.write(bytes([byte]))
+                await writer.drain()
+            sent += 1
+            await asyncio.sleep(0.1)
+        assert await closed
+        writer.close()
+    assert sent < len(trickle)
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(
+    upstream: FakeUpstream,
+) -> None:
+    upstream.route("GET", "/health", lambda r: _ok())
+    await upstream.start()
+    async with running_proxy(upstream.url, keepalive_timeout_s=0.3) as proxy:
+        reader, writer = await _raw(proxy.public_url)
+        writer.write(HEALTH)
+        assert b" 200 " in await _one_response(reader)
+        assert await _closed(reader, 10)
+        writer.close()
+        assert await wait_until(lambda: proxy.services.connections.open == 0)
+
+
+async def test_the_connection_limit_closes_the_longest_idle_socket_for_a_real_request(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Twelve idle sockets at a limit of 12 turned a real request into 503. As nginx does
+    under pressure, the longest idle kept-alive (or never used) socket is closed instead."""
+    upstream.route("GET", "/health", lambda r: _ok())
+    await upstream.start()
+    async with running_proxy(upstream.url, max_connections=3) as proxy:
+        idle = []
+        for i in range(3):
+            reader, writer = await _raw(proxy.public_url)
+            if i > 0:  # kept alive after a request
+                writer.write(HEALTH)
+                await _one_response(reader)
+            idle.append((reader, writer))
+        assert await wait_until(lambda: proxy.services.connections.open == 3)
+        async with (
+            aiohttp.ClientSession() as other,
+            other.get(proxy.public_url + "/health") as resp,
+        ):
+            status = resp.status
+        oldest_closed = await _closed(idle[0][0])
+        reclaimed = proxy.metrics.overload_shed.labels("connections", "close_idle")._value.get()
+        for _, writer in idle:
+            writer.close()
+    assert status == 200
+    assert oldest_closed
+    assert reclaimed == 1
+
+
+async def _ok() -> web.Response:
+    return web.json_response({"ok": True})

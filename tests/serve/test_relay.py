@@ -351,3 +351,51 @@ async def test_observe_mode_scans_a_body_past_its_first_megabytes(
         async with http.post(proxy.public_url + "/v1/completions", data=req, headers=B_TENANT) as r:
             assert await r.read() == body  # observe: relayed as it came
         assert proxy.metrics.canary_violations.labels("canary-b")._value.get() == 1
+
+
+@pytest.mark.parametrize("first_event", [True, False])
+async def test_an_endless_sse_line_ends_the_stream_with_the_error_event_and_a_close(
+    upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch, first_event: bool
+) -> None:
+    """An upstream that streams one line without end: past the event bound the client gets
+    the documented error event and its connection closed, not a stream that goes quiet."""
+    monkeypatch.setattr(sse, "DEFAULT_MAX_EVENT_BYTES", 64 * 1024)
+    stop = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if first_event:
+            await resp.write(event({"choices": [{"index": 0, "text": "a"}]}))
+        with contextlib.suppress(ConnectionError):
+            await resp.write(b'data: {"choices":[{"text":"')
+            for _ in range(2_000):  # 16 MiB at most, bounded
+                if stop.is_set():
+                    break
+                await resp.write(b"x" * 8192)
+                await asyncio.sleep(0)
+        return resp
+
+    upstream.route("POST", CHAT, endless)
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        host, port = proxy.public_url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = orjson.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        )
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        got = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := await asyncio.wait_for(reader.read(65536), 20):
+                got += chunk
+        stop.set()
+        writer.close()
+    assert b'"code":"upstream_bad_response"' in got, got[-400:]
+    if first_event:
+        assert b"data: {" in got.split(b"\r\n\r\n", 1)[1]
+    assert b"x" * 8192 not in got  # nothing of the endless line was forwarded

@@ -8,13 +8,14 @@ still pass; an operator's pass-through route passes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from kvtest import content_with_tokens, sim_and_proxy, wait_until
+from aiohttp import web
+from kvtest import content_with_tokens, running_proxy, serving, sim_and_proxy, wait_until
 from tokenizer_files import real_tokenizer_dir
 
 from kvproxy.sim.tokenizer import ChatRenderer, load_tokenizer
@@ -174,8 +175,6 @@ async def test_read_only_routes_still_pass(http: aiohttp.ClientSession) -> None:
             assert (await resp.json())["object"] == "list"
         async with http.get(proxy.public_url + "/health") as resp:
             assert resp.status == 200
-        async with http.get(proxy.public_url + "/get_server_info") as resp:
-            assert resp.status == 200
         # The simulator's router serves no /v1/tokenize (smg does): its own plain 404, not
         # kvproxy's, shows the request was forwarded.
         async with http.post(proxy.public_url + "/v1/tokenize", json={"prompt": "hi"}) as resp:
@@ -278,3 +277,88 @@ async def test_prompt_only_routes_ask_for_no_decode_budget(http: aiohttp.ClientS
             proxy.public_url + "/v1/rerank", json={"query": "q", "documents": ["d"]}
         ) as r:
             assert r.headers["X-Kvproxy-Decision"] == "admitted"
+
+
+class EveryPath:
+    """An upstream that answers every path and method, and records each request."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, bytes]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.seen.append((request.method, request.path, await request.read()))
+        return web.json_response({"seen": True})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/metrics"),
+        ("GET", "/engine_metrics"),
+        ("GET", "/get_server_info"),
+        ("GET", "/server_info"),
+        ("GET", "/get_load"),
+        ("GET", "/health_generate"),
+        ("POST", "/flush_cache"),
+        ("POST", "/reset_prefix_cache"),
+        ("POST", "/abort_request"),
+        ("POST", "/update_weights_from_disk"),
+        ("POST", "/start_profile"),
+        ("GET", "/workers"),
+    ],
+)
+async def test_internal_routes_are_404_on_the_public_port_and_reach_no_router(
+    http: aiohttp.ClientSession, method: str, path: str
+) -> None:
+    """`GET /metrics` on the public port used to reach the router: any tenant read the
+    engines' load and (vLLM) prefix-cache counters. Internal and admin routes are 404 now."""
+    upstream = EveryPath()
+    async with serving(upstream.app()) as url, running_proxy(url) as proxy:
+        async with http.request(method, proxy.public_url + path) as resp:
+            status, reply = resp.status, await resp.json()
+    assert status == 404
+    assert reply["error"]["code"] == "route_not_found"
+    assert upstream.seen == []
+
+
+async def test_an_operator_may_forward_metrics_explicitly(http: aiohttp.ClientSession) -> None:
+    upstream = EveryPath()
+    async with (
+        serving(upstream.app()) as url,
+        running_proxy(url, passthrough_routes=["GET /metrics"]) as proxy,
+    ):
+        async with http.get(proxy.public_url + "/metrics") as resp:
+            assert resp.status == 200
+    assert [(m, p) for m, p, _ in upstream.seen] == [("GET", "/metrics")]
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_body_on_a_pass_through_get_or_head_is_refused(
+    http: aiohttp.ClientSession, method: str, chunked: bool
+) -> None:
+    """A 12 KB body on a pass-through GET used to be forwarded; it is refused (400 JSON)
+    before it is read, and nothing reaches the router."""
+    upstream = EveryPath()
+    body = b"x" * 12_000
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield body
+
+    data: Any = chunks() if chunked else body
+    async with serving(upstream.app()) as url, running_proxy(url) as proxy:
+        async with http.request(method, proxy.public_url + "/v1/models", data=data) as resp:
+            status = resp.status
+            reply = await resp.read()
+        async with http.get(proxy.public_url + "/v1/models") as resp:
+            plain = resp.status
+    assert status == 400
+    if method == "GET":
+        assert orjson.loads(reply)["error"]["code"] == "body_not_allowed"
+    assert plain == 200
+    assert upstream.seen == [("GET", "/v1/models", b"")]
