@@ -365,6 +365,23 @@ def start_engine(engine: VllmEngine) -> Iterator[VllmEngine]:
         yield engine
 
 
+def warm_up(router_url: str) -> None:
+    """One request through the pair before any test: the first NIXL transfer also does the
+    side-channel handshake (measured up to ~130 s under load), which no test should time."""
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "warm up"}],
+        "max_tokens": 1,
+    }
+    req = urllib.request.Request(
+        router_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=START_TIMEOUT_S) as resp:
+        assert resp.status == 200
+
+
 @dataclass
 class PDPair:
     prefill: VllmEngine
@@ -409,6 +426,7 @@ def pd_pair(model: Path, logs: Path) -> Iterator[PDPair]:
         try:
             url = f"http://127.0.0.1:{port}"
             wait_http(url + "/health", router, log, 60.0)
+            warm_up(url)
             yield PDPair(prefill, decode, url, log)
         finally:
             stop_group(router)
