@@ -133,10 +133,12 @@ test: $(STAMP) sysdeps $(SGLANG_PROTOCOL)
 	$(PYTEST) $(PYTEST_ARGS) -m "serial and not slow and not real" \
 	  --cov=kvproxy --cov-append --cov-report=term
 
-# The slow suite (soak, the real routers, real Prometheus end to end, the built image), one
-# test at a time: it holds the timing-sensitive end-to-end cases.
+# The slow suite (soak, the real routers, real Prometheus end to end, the built image): the
+# per-model sweeps (340 of its 632 tests, CPU-bound, judged on counts) on every core first,
+# then the rest one test at a time: it holds the timing-sensitive end-to-end cases.
 test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
-	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow and not real"
+	$(PYTEST) $(PYTEST_ARGS) -m "slow and sweep and not real" -n $(TEST_WORKERS) --dist worksteal
+	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow and not sweep and not real"
 	# The hostile fuzzers at 1000 examples each (`make test` runs 100: tests/hostile).
 	KVPROXY_FUZZ_EXAMPLES=1000 $(PYTEST) $(PYTEST_ARGS) -m "not slow" -n $(TEST_WORKERS) tests/hostile
 

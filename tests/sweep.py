@@ -25,6 +25,11 @@ FAST_MODELS = frozenset(REPRESENTATIVES) | {
 }
 
 
+# `sweep` as well: CPU-bound and judged on counts, never on time, so `make test-slow` runs
+# these on every core before the timing-sensitive rest of the slow suite, one at a time.
+SLOW_SWEEP = (pytest.mark.slow, pytest.mark.sweep)
+
+
 def is_fast(model: str, *, templates: bool = True) -> bool:
     return model in FAST_MODELS or (templates and model not in FAMILY_OF)
 
@@ -40,6 +45,6 @@ def every(models: Iterable[str], *, templates: bool = True) -> list[Any]:
     """`models` as pytest params named by model, the fast suite's first and the others
     marked slow."""
     return [
-        pytest.param(m, id=m, marks=() if is_fast(m, templates=templates) else pytest.mark.slow)
+        pytest.param(m, id=m, marks=() if is_fast(m, templates=templates) else SLOW_SWEEP)
         for m in ordered(models, templates=templates)
     ]
