@@ -149,10 +149,11 @@ test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
 # SGLang oracle (tests/oracles/test_oracle_sglang_real.py). One test at a time, engines started
 # once per run and stopped at its end. ~2.7 GB of memory per engine; run it alone (not beside
 # `make test`). On a machine shared by several checkouts: `flock /tmp/kvproxy-real.lock make test-real`.
+# `-s`: the differential's and the oracles' counts (corpus size, worst bound/truth) reach CI's log.
 REAL_TESTS := tests/real tests/oracles/test_oracle_sglang_real.py $(wildcard tests/engine_models)
 test-real: $(STAMP) $(VLLM_STAMP) $(SMG_STAMP) $(SGLANG_REAL_STAMP)
 	KVPROXY_REAL=1 KVPROXY_VLLM_VENV=$(VLLM_VENV) KVPROXY_SGLANG_VENV=$(KVPROXY_SGLANG_VENV) \
-	  $(PYTEST) $(PYTEST_ARGS) -m real $(REAL_TESTS)
+	  $(PYTEST) $(PYTEST_ARGS) -s -m real $(REAL_TESTS)
 
 # Faults below HTTP (tests/faults/): network namespaces and veth pairs, iptables blackholes
 # and resets, SIGKILL/SIGTERM, fd and body-memory exhaustion, against the simulator and smg
