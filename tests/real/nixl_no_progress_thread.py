@@ -1,9 +1,13 @@
 """A .pth hook in the real-engine suite's vLLM venv (install_vllm.sh); runs in vLLM, not here.
 
-NIXL's UCX progress thread busy-polls: on CPU each idle vLLM worker then burns a whole core
-(measured: 10 CPU-s per 10 s idle, both cores). vLLM does not expose
-nixl_agent_config(enable_prog_thread=...), so this defaults it to False; vLLM's connector still
-drives transfers from its own loop. NIXL_PROG_THREAD=1 keeps NIXL's default.
+NIXL's UCX progress thread busy-polls (nixl_agent sets its delay, `pthrDelay`, to 0): on CPU
+each idle vLLM worker then burns a whole core (measured: 10 CPU-s per 10 s idle, both cores).
+Turning the thread off instead hung transfers: over UCX's TCP/shared-memory transports the
+side that serves a read (prefill) must progress too, and an idle prefill worker never does,
+so a decode's first read waited until prefill's KV lease expired (seen 2026-12-06: 9 min,
+"retrieved by 0 remote worker(s)"). So the thread stays on and sleeps
+NIXL_PROG_THREAD_DELAY_US (default 1000 us) between polls. NIXL_PROG_THREAD=1 keeps NIXL's
+default (delay 0).
 """
 
 from __future__ import annotations
@@ -37,13 +41,22 @@ class _Hook(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             run(module)
-            init = module.nixl_agent_config.__init__
+            real = module.nixlBind
+            delay = int(os.environ.get("NIXL_PROG_THREAD_DELAY_US", "1000"))
 
-            def patched(config: Any, *args: Any, **kwargs: Any) -> None:
-                kwargs.setdefault("enable_prog_thread", False)
-                init(config, *args, **kwargs)
+            class _Bind:
+                # nixl_agent builds its config, sets pthrDelay = 0, then calls nixlAgent:
+                # the delay is set last, here.
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(real, name)
 
-            module.nixl_agent_config.__init__ = patched
+                @staticmethod
+                def nixlAgent(name: str, config: Any) -> Any:
+                    config.useProgThread = True
+                    config.pthrDelay = delay
+                    return real.nixlAgent(name, config)
+
+            module.nixlBind = _Bind()
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
