@@ -1,10 +1,15 @@
 """Prompt extraction: a counted route's request bytes in, a `PromptShape` out. Pure, no I/O.
 
 `parse_request` is the one entry point; `SequencePrompt` is one sequence the engine will
-prefill and `PromptShape` a whole request. Everything else in this package is private.
+prefill and `PromptShape` a whole request. The closed world's gates are public too:
+`FieldPolicy` (every field classified per engine version, `request_template`) and
+`MediaPolicy` / `ImageProcessor` (media priced from the media). Everything else in this
+package is private.
 """
 
 from kvproxy.prompt.chat import REFUSED_TEMPLATE_KWARGS
+from kvproxy.prompt.fields import FieldPolicy, request_template
+from kvproxy.prompt.media import ImageProcessor, MediaPolicy
 from kvproxy.prompt.parse import parse_request
 from kvproxy.prompt.prompt_only import MODELED_KEYS, RERANK_OVERHEAD_TOKENS
 from kvproxy.prompt.shape import MAX_N, MAX_OUTPUT_TOKENS, PromptShape, SequencePrompt, load_json
@@ -15,8 +20,12 @@ __all__ = [
     "MODELED_KEYS",
     "REFUSED_TEMPLATE_KWARGS",
     "RERANK_OVERHEAD_TOKENS",
+    "FieldPolicy",
+    "ImageProcessor",
+    "MediaPolicy",
     "PromptShape",
     "SequencePrompt",
     "load_json",
     "parse_request",
+    "request_template",
 ]

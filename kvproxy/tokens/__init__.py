@@ -30,8 +30,7 @@ from typing import Any
 
 from kvproxy.config import ConfigError, Settings, effective_tokenizer
 from kvproxy.policy import CountMethod, TokenCount
-from kvproxy.prompt.fields import FieldPolicy
-from kvproxy.prompt.media import ImageProcessor, MediaPolicy
+from kvproxy.prompt import FieldPolicy, ImageProcessor, MediaPolicy
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
 from kvproxy.tokens.counter import TokenCounter

@@ -48,9 +48,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvproxy.policy import CHAT_ROUTES, CountMethod, KvproxyError, TokenCount, errors, record
-from kvproxy.prompt import MODELED_KEYS, RERANK_OVERHEAD_TOKENS, PromptShape, SequencePrompt
-from kvproxy.prompt.fields import FieldPolicy, request_template
-from kvproxy.prompt.media import MediaPolicy
+from kvproxy.prompt import (
+    MODELED_KEYS,
+    RERANK_OVERHEAD_TOKENS,
+    FieldPolicy,
+    MediaPolicy,
+    PromptShape,
+    SequencePrompt,
+    request_template,
+)
 from kvproxy.tokens import bounds
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
