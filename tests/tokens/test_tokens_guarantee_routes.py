@@ -57,19 +57,22 @@ def test_uncountable_fields_are_refused_by_name(
     assert field in info.value.message
 
 
-async def test_completions_with_a_field_nobody_models_are_bounded_by_all_of_its_text() -> None:
-    """A field kvproxy's parser does not read may be prompt text to some engine version: the
-    request is decided by a bound over every string in it, never by the `prompt` alone."""
+async def test_completions_with_a_field_nobody_classifies_are_refused_naming_it() -> None:
+    """A field no engine version's table classifies may be prompt text to some engine: since
+    the closed world (kvproxy.prompt.fields) it is refused, naming it, never bounded by the
+    `prompt` alone; the same body without it is counted."""
     c = TokenCounter(bound_rule="bytes")
     try:
-        odd = await c.count(
-            parse_request("completions", orjson.dumps({"prompt": "hi", "x": W})), 100
-        )
+        with pytest.raises(KvproxyError) as refused:
+            await c.count(parse_request("completions", orjson.dumps({"prompt": "hi", "x": W})), 100)
         plain = await c.count(parse_request("completions", orjson.dumps({"prompt": "hi"})), 100)
     finally:
         await c.aclose()
-    assert odd.tokens >= len(W)
-    assert odd.unverified == ("unknown:body",)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (
+        400,
+        "unsupported_field",
+        "x",
+    )
     assert plain.tokens < 20
 
 
