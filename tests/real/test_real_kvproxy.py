@@ -283,7 +283,9 @@ def test_readme_gate_passes_on_the_healthy_real_stack(
         "check", "--config", str(cfg), "--proxy", proxy.url, "--proxy-admin", proxy.admin,
         "--canary", "--canary-rounds", "1", "--canary-prompt-chars", "300", "--out", str(out_dir),
     )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    assert out.returncode == 0, (
+        out.stdout[-4000:] + out.stderr[-3000:] + "\nkvproxy log:\n" + proxy.log.read_text()[-3000:]
+    )
     record = json.loads((out_dir / "release-record.json").read_text())
     assert record["passed"] is True
     pools = {e["role"]: e["pool_tokens"] for e in record["engines"]}
@@ -326,7 +328,8 @@ def test_stale_when_the_engine_stops_and_the_limit_follows_a_smaller_restart(
     shorter context (the limit follows it down)."""
     big = VllmEngine("restart-big", real_model, real_logs, 1536, 16)
     with running(big):
-        cfg = proxy_config(big.url, engines_config((big.url, "unified")))
+        # A short staleness bound of its own: the stop must show within seconds.
+        cfg = proxy_config(big.url, engines_config((big.url, "unified")), capacity_stale_s=4.0)
         with kvproxy_serve(real_logs, "kvproxy-restart", cfg) as p:
             assert p.metrics().value("kvproxy_admission_limit_tokens") == held(big) - 1
             big.stop()
