@@ -19,11 +19,18 @@ One request, two legs:
 A client that goes away cancels the handler (aiohttp ``handler_cancellation``), which closes
 whichever upstream connection is open: vLLM aborts that request. Logs say which leg ran, never
 a prompt.
+
+Test hook: ``POST /test/hold-decode {"seconds": S}`` makes the next request wait S seconds
+between its two legs, prefill done and its KV pinned for decode's pull. On a CPU the pull itself
+takes ~0.2 ms, too short for a client to leave during it; the hold opens that window (the
+transfer phase: the KV exists only on prefill, decode has not read it) so a test can leave
+inside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import uuid
@@ -45,6 +52,7 @@ PREFILL_ONLY = {
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 PREFILL = web.AppKey("prefill", str)
 DECODE = web.AppKey("decode", str)
+HOLDS = web.AppKey("holds", list)  # one-shot holds (seconds) for the next requests' transfer phase
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -62,6 +70,14 @@ async def models(request: web.Request) -> web.Response:
         return web.Response(
             status=resp.status, body=await resp.read(), content_type="application/json"
         )
+
+
+async def hold_decode(request: web.Request) -> web.Response:
+    seconds = float((await request.json())["seconds"])
+    if not 0 < seconds <= 60:
+        return web.json_response({"error": {"message": "seconds: 0 < s <= 60"}}, status=400)
+    request.app[HOLDS].append(seconds)
+    return web.json_response({"held": len(request.app[HOLDS])})
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -82,6 +98,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
             return web.Response(status=resp.status, body=raw, content_type="application/json")
     transfer = json.loads(raw).get("kv_transfer_params")
     log.info("rid=%s leg=prefill done kv_transfer_params=%s", rid, "yes" if transfer else "no")
+    if app[HOLDS]:
+        seconds = app[HOLDS].pop(0)
+        log.info("rid=%s transfer phase held %.1f s (test hook)", rid, seconds)
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            log.info("rid=%s client gone in the transfer phase: decode never asked", rid)
+            raise
     decode = dict(body)
     if transfer:
         decode["kv_transfer_params"] = transfer
@@ -115,6 +139,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     app = web.Application(client_max_size=64 << 20)
     app[PREFILL], app[DECODE] = args.prefill, args.decode
+    app[HOLDS] = []
+    app.router.add_post("/test/hold-decode", hold_decode)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", generate)

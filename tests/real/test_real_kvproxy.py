@@ -3,9 +3,10 @@
 I2/I3: the pools and limits kvproxy measures are each engine's own (cache_config_info,
 /v1/models); stale when an engine stops; the limit follows an engine restarted smaller.
 I1: limit-1 / limit / limit+1 through kvproxy and straight to the prefill engine.
-I5/I6: a client gone while its request waits in prefill's queue: kvproxy holds the upstream
-until decode has the KV (decode's external_kv_transfer tokens) and counts the deferral; the
-same without kvproxy leaves the prompt never computed and decode idle.
+I5/I6: a client gone while its request waits in prefill's queue, or in the transfer phase
+(prefill done, its KV pinned for decode's pull): kvproxy holds the upstream until decode has the
+KV (decode's external_kv_transfer tokens) and counts the deferral; the same without kvproxy
+leaves the prompt never computed (queued) or computed and never pulled (transfer phase).
 The gate: `kvproxy canary` and `kvproxy check --config ... --canary --out DIR` pass on the
 healthy stack with the measured pools in the record, and fail a declared context above them.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -228,8 +230,6 @@ def test_client_gone_while_queued_kvproxy_holds_until_decode_has_the_kv(
 
 
 def _wait_deferral(proxy: Kvproxy, before: Metrics) -> Metrics:
-    import time
-
     for _ in range(300):
         now = proxy.metrics()
         if now.value(DEFERRED) > before.value(DEFERRED):
@@ -245,6 +245,96 @@ def test_client_gone_while_queued_without_kvproxy_nothing_reaches_decode(vllm_pd
     p1 = wait_metrics(vllm_pd.prefill, idle, "idle")
     d1 = wait_metrics(vllm_pd.decode, idle, "idle")
     assert p1.value(SOURCE, source="local_compute") - p0.value(SOURCE, source="local_compute") == 0
+    assert d1.value("vllm:prompt_tokens_total") == d0.value("vllm:prompt_tokens_total")
+
+
+# --- I5/I6: a client gone in the transfer phase ------------------------------------------------
+
+# The test router's hold between its legs (pd_test_router.py, POST /test/hold-decode): on a CPU
+# the NIXL pull takes ~0.2 ms, so the window a client can leave in is opened on purpose. Long
+# enough that the test sees prefill finish and leaves inside it on a loaded machine.
+TRANSFER_HOLD_S = 15.0
+
+
+def left_in_transfer_phase(pair: PDPair, target: str, n: int) -> tuple[Metrics, Metrics]:
+    """The client's request (`n` prompt tokens) through `target`: prefill computes it, the
+    router holds it before decode's leg; the client leaves inside that hold. Returns prefill
+    and decode counters taken before the request (baseline); asserts decode had read nothing
+    when the client left."""
+    prefill, decode = pair.prefill, pair.decode
+    wait_metrics(prefill, idle, "idle")
+    wait_metrics(decode, idle, "idle")
+    post_json(pair.router_url + "/test/hold-decode", {"seconds": TRANSFER_HOLD_S})
+    p0, d0 = prefill.metrics(), decode.metrics()
+    computed = p0.value(SOURCE, source="local_compute") + n
+    client = open_raw(target, body_of(content_of(prefill, n), max_tokens=4))
+    try:
+        wait_metrics(
+            prefill,
+            lambda m: m.value(SOURCE, source="local_compute") >= computed and idle(m),
+            "computed the prompt",
+        )
+        before_leaving = decode.metrics()
+    finally:
+        leave(client)
+    assert before_leaving.value("vllm:prompt_tokens_total") == d0.value(
+        "vllm:prompt_tokens_total"
+    ), "decode had already been asked: the hold ended before the client left (machine too slow?)"
+    return p0, d0
+
+
+def test_client_gone_in_the_transfer_phase_kvproxy_holds_until_decode_has_the_kv(
+    vllm_pd: PDPair, proxy: Kvproxy
+) -> None:
+    n = 600
+    m0 = proxy.metrics()
+    p0, d0 = left_in_transfer_phase(vllm_pd, proxy.url, n)
+    d1 = wait_metrics(
+        vllm_pd.decode,
+        lambda m: (
+            m.value(SOURCE, source="external_kv_transfer")
+            - d0.value(SOURCE, source="external_kv_transfer")
+            >= n
+        ),
+        "pulled the prompt over NIXL",
+        timeout_s=TRANSFER_HOLD_S + 60,
+    )
+    pulled = d1.value(SOURCE, source="external_kv_transfer") - d0.value(
+        SOURCE, source="external_kv_transfer"
+    )
+    assert pulled == n
+    assert d1.value(SOURCE, source="local_compute") == d0.value(SOURCE, source="local_compute")
+    p1 = vllm_pd.prefill.metrics()
+    assert p1.value(SOURCE, source="local_compute") - p0.value(SOURCE, source="local_compute") == n
+    after = _wait_deferral(proxy, m0)
+    outcomes = {
+        o: after.value(DEFERRED, outcome=o) - m0.value(DEFERRED, outcome=o)
+        for o in ("first_token", "completed", "timeout", "shutdown")
+    }
+    assert outcomes["first_token"] + outcomes["completed"] == 1, outcomes
+    assert outcomes["timeout"] == outcomes["shutdown"] == 0, outcomes
+
+
+def test_client_gone_in_the_transfer_phase_without_kvproxy_decode_never_pulls(
+    vllm_pd: PDPair,
+) -> None:
+    """The same through the test router alone: the router's handler is cancelled with the
+    client inside the hold, decode is never asked; the prompt was computed on prefill and its KV
+    left pinned there for a pull that never comes (vLLM frees it at its abort timeout)."""
+    n = 600
+    p0, d0 = left_in_transfer_phase(vllm_pd, vllm_pd.router_url, n)
+    log = vllm_pd.router_log
+    for _ in range(300):
+        if "client gone in the transfer phase" in log.read_text():
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the router never saw the client leave:\n" + log.read_text()[-2000:])
+    p1 = wait_metrics(vllm_pd.prefill, idle, "idle")
+    d1 = wait_metrics(vllm_pd.decode, idle, "idle")
+    assert (
+        p1.value(SOURCE, source="local_compute") - p0.value(SOURCE, source="local_compute") == 600
+    )
     assert d1.value("vllm:prompt_tokens_total") == d0.value("vllm:prompt_tokens_total")
 
 
@@ -348,8 +438,6 @@ def test_stale_when_the_engine_stops_and_the_limit_follows_a_smaller_restart(
 
 
 def _wait_proxy(p: Kvproxy, until: Any, what: str) -> Metrics:
-    import time
-
     for _ in range(300):
         m = p.metrics()
         if until(m):
