@@ -71,6 +71,7 @@ from kvproxy.budget.leases import Lease
 from kvproxy.budget.local import retry_after_s
 from kvproxy.budget.machine import (
     ACQUIRE,
+    DUTIES,
     PROBE_ANSWERED,
     RELEASES_WAITING,
     RENEWAL_DUE,
@@ -730,6 +731,7 @@ class RedisBudget:
                 if self._unreleased:  # given back while the return was on its way
                     self._background(self._release_quietly(list(self._unreleased)))
             else:
+                assert do in DUTIES, do  # an effect of the table this shell does not know
                 return do
         return None
 

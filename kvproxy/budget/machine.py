@@ -91,6 +91,20 @@ class Do(_Key):
 _OWN = frozenset(
     {Do.RECORD_ERROR, Do.FIX_OUTAGE_CAPS, Do.NEW_EPOCH, Do.CLEAR_ERROR, Do.OPEN_SHARE_WINDOW}
 )
+# The effects that end a row: what the shell does next (a call, or where a request goes).
+DUTIES = frozenset(
+    {
+        Do.RENEW,
+        Do.PROBE,
+        Do.RUN_RETURN,
+        Do.ASK_REDIS,
+        Do.GRANT_LOCAL_SHARE,
+        Do.REFUSE_UNAVAILABLE,
+        Do.AWAIT_RETURN,
+        Do.SEND_RELEASES,
+        Do.KEEP_FOR_RETURN,
+    }
+)
 
 
 # --- events in --------------------------------------------------------------------------

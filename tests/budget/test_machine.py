@@ -125,21 +125,21 @@ def test_the_table_is_the_expected_behaviour_and_nothing_more() -> None:
 
 def test_a_row_ends_with_at_most_one_duty() -> None:
     """The shell performs effects in order and stops at the duty (`RedisBudget._apply`)."""
-    duties = {
-        Do.RENEW,
-        Do.PROBE,
-        Do.RUN_RETURN,
-        Do.ASK_REDIS,
-        Do.GRANT_LOCAL_SHARE,
-        Do.REFUSE_UNAVAILABLE,
-        Do.AWAIT_RETURN,
-        Do.SEND_RELEASES,
-        Do.KEEP_FOR_RETURN,
+    assert {d.value for d in machine.DUTIES} == {
+        "Renew",
+        "Probe",
+        "RunReturn",
+        "AskRedis",
+        "GrantLocalShare",
+        "RefuseUnavailable",
+        "AwaitReturn",
+        "SendReleases",
+        "KeepForReturn",
     }
     for table in TRANSITIONS.values():
         for rows in table.values():
             for _, effects in rows.values():
-                found = [i for i, d in enumerate(effects) if d in duties]
+                found = [i for i, d in enumerate(effects) if d in machine.DUTIES]
                 assert found in ([], [len(effects) - 1]), effects
 
 
