@@ -10,7 +10,8 @@ The machine is its table, keyed as drain's is: `TRANSITIONS[policy][state][event
 the next state and the effects. `handle` looks the row up, does the machine's own effects
 (lower case in the table below: `record_error`, `fix_outage_caps`, `new_epoch`,
 `clear_error`, `open_share_window`) and returns the rest for the shell. A missing row is a
-shell bug and raises `BudgetProtocolError` without changing state. The two policies differ
+shell bug and raises `BudgetProtocolError` without changing state (e.g. `RenewalDue` while
+recovering: the renewal loop is the one running the return). The two policies differ
 in three rows (`_REJECT_ROWS`): what a request gets while degraded, and no share window
 after a return.
 
