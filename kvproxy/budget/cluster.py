@@ -37,6 +37,10 @@ it keeps the cap, since the others may still hold local-share leases Redis canno
 The cap is checked and charged with no await between (a reservation covers the Redis call),
 so waiters woken together cannot all pass it.
 
+Which of these applies when (ok, degraded, recovering; the epoch; the caps and the share
+window) is `budget.machine`'s table; this module is its IO shell: it makes the calls, feeds
+the machine what came of them, and performs the effects it is given.
+
 The interface is the local `InflightBudget`'s: `acquire`, `reject_waiting`, the in-use
 properties; plus `start`/`aclose` for the connection and the renewal task.
 """
@@ -50,7 +54,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Literal
+from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -65,7 +69,21 @@ from kvproxy.budget.connection import (
 )
 from kvproxy.budget.leases import Lease
 from kvproxy.budget.local import retry_after_s
-from kvproxy.budget.scripts import ACQUIRE, EPOCH_TTL_MS, RELEASE, RENEW, BudgetKeys
+from kvproxy.budget.machine import (
+    ACQUIRE,
+    DUTIES,
+    PROBE_ANSWERED,
+    RELEASES_WAITING,
+    RENEWAL_DUE,
+    RETURN_FAILED,
+    BudgetMachine,
+    Do,
+    Held,
+    RedisFailed,
+    ReturnRegistered,
+)
+from kvproxy.budget.scripts import ACQUIRE as ACQUIRE_SCRIPT
+from kvproxy.budget.scripts import EPOCH_TTL_MS, RELEASE, RENEW, BudgetKeys
 from kvproxy.config import IMPLICIT_MODEL
 from kvproxy.observe import Metrics
 from kvproxy.policy import errors
@@ -82,8 +100,6 @@ RETRY_EVERY_S = 0.5
 RELEASE_DELAY_S = 0.002
 # While degraded, how often Redis is probed for its return.
 PROBE_EVERY_S = 1.0
-
-State = Literal["ok", "degraded", "recovering"]
 
 
 def recovery_window_s(timeout_s: float) -> float:
@@ -123,19 +139,16 @@ class RedisBudget:
         self._keys = BudgetKeys.for_pool(options.key_prefix, options.pool)
         self._epoch_key = self._keys.epoch(options.replica_id)
         self._client = client if client is not None else BudgetClient(options)
-        self._acquire_script = self._client.register_script(ACQUIRE)
+        self._acquire_script = self._client.register_script(ACQUIRE_SCRIPT)
         self._release_script = self._client.register_script(RELEASE)
         self._renew_script = self._client.register_script(RENEW)
         self._ids = itertools.count(1)
-        self._epoch = 1  # this replica's era of calls (budget_scripts: fencing)
         self._live: dict[str, int] = {}  # lease id -> tokens, for renewal
         self._unreleased: set[str] = set()  # to give back; Redis has not confirmed yet
         self._releasing: set[str] = set()  # of those, carried by a call on its way
         self._flush: asyncio.TimerHandle | None = None  # the pending RELEASE of the rest
         self._calls: dict[str, asyncio.Future[Any]] = {}  # acquisitions still on their way
         self._fallback_held: set[Lease] = set()
-        self._share_until = 0.0  # monotonic time the post-outage share cap ends
-        self._window_s = recovery_window_s(options.timeout_s)
         self._tokens = 0  # held under Redis leases
         self._requests = 0
         self._fb_tokens = 0  # held under local-share leases
@@ -148,18 +161,16 @@ class RedisBudget:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
-        self._state: State = "ok"
-        self.last_error: str | None = None
-        self.cluster_tokens = 0
+        # The state, the epoch, the last error, the outage's caps and share window.
+        self._machine = BudgetMachine(
+            options.unavailable,
+            max_tokens,
+            max_requests,
+            options.expected_replicas,
+            recovery_window_s(options.timeout_s),
+        )
+        self.cluster_tokens = 0  # the cluster's use when Redis last answered
         self.cluster_requests = 0
-        share = max(1, options.expected_replicas)
-        # The policy's local share: an unlimited dimension stays unlimited.
-        self.share_tokens = None if max_tokens is None else max(1, max_tokens // share)
-        self.share_requests = None if max_requests is None else max(1, max_requests // share)
-        # What this replica may hold while Redis is unavailable and in the recovery window
-        # after it (`_outage_caps`): its share, less if the others held more than theirs.
-        self.cap_tokens = self.share_tokens
-        self.cap_requests = self.share_requests
         self._retry_after_s = retry_after_s(queue_timeout_s)
         metrics.budget_tokens_limit.labels(model).set(max_tokens or 0)
         metrics.budget_degraded.set(0)
@@ -170,7 +181,30 @@ class RedisBudget:
     @property
     def degraded(self) -> bool:
         """Redis is not (yet) the budget's authority: the policy applies."""
-        return self._state != "ok"
+        return self._machine.degraded
+
+    @property
+    def last_error(self) -> str | None:
+        """The type of the last Redis failure, while degraded."""
+        return self._machine.last_error
+
+    @property
+    def share_tokens(self) -> int | None:
+        """The policy's local share (budget / expected replicas); None: unlimited."""
+        return self._machine.share_tokens
+
+    @property
+    def share_requests(self) -> int | None:
+        return self._machine.share_requests
+
+    @property
+    def cap_tokens(self) -> int | None:
+        """What this replica may hold during an outage and the share window after it."""
+        return self._machine.cap_tokens
+
+    @property
+    def cap_requests(self) -> int | None:
+        return self._machine.cap_requests
 
     @property
     def tokens_in_use(self) -> int:
@@ -196,7 +230,7 @@ class RedisBudget:
         if self._waiters:
             return False
         if self.degraded:
-            return self.options.unavailable != "reject" and not self._over_local_share(tokens)
+            return self._machine.policy != "reject" and not self._over_local_share(tokens)
         if self.max_tokens is not None and self.cluster_tokens + tokens > self.max_tokens:
             return False
         return self.max_requests is None or self.cluster_requests + 1 <= self.max_requests
@@ -246,14 +280,17 @@ class RedisBudget:
         # Bounded: every turn either returns, raises, or waits out part of the deadline
         # (the recovery wait and the Redis queue both end at it).
         while True:
-            if self._state == "recovering":
-                await self._await_recovery(deadline)
-            elif self._state == "degraded":
-                return self._degraded_acquire(tokens)
-            else:
+            (duty,) = self._machine.handle(ACQUIRE)
+            if duty is Do.ASK_REDIS:
                 lease = await self._redis_acquire(tokens, started, deadline)
                 if lease is not None:
                     return lease
+            elif duty is Do.AWAIT_RETURN:
+                await self._await_recovery(deadline)
+            elif duty is Do.GRANT_LOCAL_SHARE:
+                return self._local_share_acquire(tokens)
+            else:
+                raise errors.budget_unavailable(self._retry_after_s)
 
     def reject_waiting(self, detail: str = "the server is shutting down") -> int:
         n = self._waiters
@@ -268,7 +305,7 @@ class RedisBudget:
             "backend": "redis",
             "pool": o.pool,
             "replica": o.replica_id,
-            "state": "ok" if self._state == "ok" else "degraded",
+            "state": "degraded" if self.degraded else "ok",
             "unavailable_policy": o.unavailable,
             "last_error": self.last_error,
             "max_tokens": self.max_tokens,
@@ -279,7 +316,7 @@ class RedisBudget:
             "local_share_tokens": self.share_tokens,
             "outage_cap_tokens": self.cap_tokens,
             "lease_ttl_s": o.lease_ttl_s,
-            "recovery_window_s": self._window_s,
+            "recovery_window_s": self._machine.window_s,
             "unconfirmed_releases": len(self._unreleased),
         }
 
@@ -298,7 +335,7 @@ class RedisBudget:
         self._waiters += 1
         try:
             while True:
-                if self._state != "ok":
+                if self.degraded:
                     self._abandon(lease_id)
                     return None
                 wake = self._wake
@@ -359,8 +396,8 @@ class RedisBudget:
                         -1 if self.max_requests is None else self.max_requests,
                         int(self.options.lease_ttl_s * 1000),
                         WAITER_TTL_MS,
-                        int(self._window_s * 1000),
-                        self._epoch,
+                        int(self._machine.window_s * 1000),
+                        self._machine.epoch,
                         *forget,
                     ],
                 ),
@@ -422,10 +459,9 @@ class RedisBudget:
         finally:
             self._waiters -= 1
 
-    def _degraded_acquire(self, tokens: int) -> Lease:
-        """The policy while Redis is unavailable; synchronous, so checked and charged at once."""
-        if self.options.unavailable == "reject":
-            raise errors.budget_unavailable(self._retry_after_s)
+    def _local_share_acquire(self, tokens: int) -> Lease:
+        """The local_share policy while Redis is unavailable; synchronous, so checked and
+        charged at once."""
         if self._over_local_share(tokens):
             # What this replica still holds under Redis leases counts against its share: the
             # shares must add up to the budget, outage or not.
@@ -444,38 +480,23 @@ class RedisBudget:
         return lease
 
     def _over_local_share(self, tokens: int) -> bool:
-        """Would `tokens` more (and one request) take this replica past its outage cap?
-        Counts every lease it holds and every acquisition on its way to Redis."""
-        if self.cap_tokens is not None and (
-            self.tokens_in_use + self._pending_tokens + tokens > self.cap_tokens
-        ):
-            return True
-        return self.cap_requests is not None and (
-            self.requests_in_use + self._pending_requests + 1 > self.cap_requests
+        """Would `tokens` more take this replica past its outage cap? Counts every lease it
+        holds and every acquisition on its way to Redis."""
+        return self._machine.over_cap(
+            tokens,
+            self.tokens_in_use + self._pending_tokens,
+            self.requests_in_use + self._pending_requests,
         )
-
-    def _outage_caps(self) -> None:
-        """Fix this replica's cap for the outage that starts now: its share, but no more than
-        what it holds plus an even part of the room that was free when Redis last answered.
-        Each replica's share alone adds up to the budget only if nobody held more than its
-        share at the switch; a replica that did keeps its work (it admits nothing more until
-        it is under its cap), and the even parts of the free room leave the others no more
-        than what is left. Sound up to what the cluster admitted between the last answer and
-        the switch (a busy replica asks often, an idle one every third of the lease TTL)."""
-        n = max(1, self.options.expected_replicas)
-        if self.share_tokens is not None and self.max_tokens is not None:
-            free = max(0, self.max_tokens - self.cluster_tokens)
-            self.cap_tokens = min(self.share_tokens, self._tokens + free // n)
-        if self.share_requests is not None and self.max_requests is not None:
-            free = max(0, self.max_requests - self.cluster_requests)
-            self.cap_requests = min(self.share_requests, self._requests + free // n)
 
     def _over_share(self, tokens: int) -> bool:
         """Right after an outage (local_share): would `tokens` more take this replica past
         its share?"""
-        if time.monotonic() >= self._share_until:
-            return False
-        return self._over_local_share(tokens)
+        return self._machine.over_share(
+            time.monotonic(),
+            tokens,
+            self.tokens_in_use + self._pending_tokens,
+            self.requests_in_use + self._pending_requests,
+        )
 
     # --- giving back ----------------------------------------------------------------------
 
@@ -513,14 +534,23 @@ class RedisBudget:
         if lease_id in self._calls:
             return
         self._unreleased.add(lease_id)
-        if self._state == "ok" and self._flush is None and not self._stopping:
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """One RELEASE of what was given back, at most RELEASE_DELAY_S from now, if Redis is
+        the authority (else the fenced return gives them back)."""
+        if self._flush is None and not self._stopping and self._releases_go_to_redis():
             loop = asyncio.get_running_loop()
             self._flush = loop.call_later(RELEASE_DELAY_S, self._flush_releases)
 
+    def _releases_go_to_redis(self) -> bool:
+        (duty,) = self._machine.handle(RELEASES_WAITING)
+        return duty is Do.SEND_RELEASES
+
     def _flush_releases(self) -> None:
         self._flush = None
-        if self._state != "ok":
-            return  # the fenced return gives them back
+        if not self._releases_go_to_redis():
+            return
         ids = self._take_releases()
         if ids:
             self._background(self._release_carried(ids))
@@ -537,10 +567,8 @@ class RedisBudget:
         self._releasing.difference_update(ids)
         if not call.cancelled() and call.exception() is None:
             self._unreleased.difference_update(ids)
-        elif self._state == "ok" and self._flush is None and not self._stopping:
-            self._flush = asyncio.get_running_loop().call_later(
-                RELEASE_DELAY_S, self._flush_releases
-            )
+        else:
+            self._flush_soon()
 
     async def _release_carried(self, ids: list[str]) -> None:
         try:
@@ -594,8 +622,8 @@ class RedisBudget:
         forget = list(self._unreleased)
         args: list[Any] = [
             int(self.options.lease_ttl_s * 1000),
-            int(self._window_s * 1000),
-            self._epoch,
+            int(self._machine.window_s * 1000),
+            self._machine.epoch,
             EPOCH_TTL_MS,
             len(forget),
             *forget,
@@ -629,42 +657,32 @@ class RedisBudget:
     async def _renew_loop(self) -> None:
         every = max(0.05, self.options.lease_ttl_s / 3)
         while not self._stopping:
-            await asyncio.sleep(PROBE_EVERY_S if self._state != "ok" else every)
+            await asyncio.sleep(PROBE_EVERY_S if self.degraded else every)
             try:
-                if self._state == "degraded":
-                    check_pong(await self._call(lambda: self._client.ping()))
-                    await self._recover()
-                elif self._state == "ok":
-                    await self._renew()
+                duty = self._apply(self._machine.handle(RENEWAL_DUE))
+                while duty is not None:
+                    duty = await self._perform(duty)
             except REDIS_DOWN as exc:
                 self._enter_degraded(exc)
 
-    async def _recover(self) -> None:
-        """Redis answers again: under a new epoch (so what the outage delayed is fenced),
-        give back, renew and register everything this replica holds, and only then admit."""
-        self._state = "recovering"
-        self._epoch += 1
-        # Local-share leases still held join the cluster budget (the renewal puts them in),
-        # or the other replicas would hand their tokens out a second time.
-        for held in self._fallback_held:
-            if held.id is None:
-                held.id = f"{self.options.replica_id}:{next(self._ids)}"
-                self._live[held.id] = held.tokens
+    async def _perform(self, duty: Do) -> Do | None:
+        """One call the machine asked for; what came of it goes back to the machine, whose
+        next duty (if any) is returned."""
+        if duty is Do.RENEW:
+            await self._renew()
+            return None
+        if duty is Do.PROBE:
+            check_pong(await self._call(lambda: self._client.ping()))
+            return self._apply(self._machine.handle(PROBE_ANSWERED))
+        assert duty is Do.RUN_RETURN
+        # Redis answers again: under the new epoch (so what the outage delayed is fenced),
+        # give back, renew and register everything this replica holds, and only then admit.
         try:
             await self._renew()
         except BaseException:
-            self._state = "degraded"
-            self._wake_all()
+            self._apply(self._machine.handle(RETURN_FAILED))
             raise
-        self._state = "ok"
-        if self.options.unavailable == "local_share":
-            self._share_until = time.monotonic() + self._window_s
-        self.last_error = None
-        self._metrics.budget_degraded.set(0)
-        log.warning("budget: Redis is back; the cluster budget applies again")
-        if self._unreleased:  # given back while the return was on its way
-            self._background(self._release_quietly(list(self._unreleased)))
-        self._wake_all()
+        return self._apply(self._machine.handle(ReturnRegistered(time.monotonic())))
 
     async def _listen_loop(self) -> None:
         while not self._stopping:
@@ -682,24 +700,40 @@ class RedisBudget:
     # --- bookkeeping ------------------------------------------------------------------------
 
     def _enter_degraded(self, exc: BaseException) -> None:
-        self.last_error = type(exc).__name__
-        if self._state == "degraded":
-            return
-        # From "recovering" too: the return's own call failed and `_recover` puts the state
-        # back; from "ok", the policy applies now.
-        was_ok = self._state == "ok"
-        self._state = "degraded"
-        if not was_ok:
-            return
-        self._outage_caps()
-        self._metrics.budget_degraded.set(1)
-        self._metrics.budget_fallbacks.labels(self.options.unavailable).inc()
-        log.warning(
-            "budget: Redis unavailable (%s); policy %s applies until it returns",
-            self.last_error,
-            self.options.unavailable,
-        )
-        self._wake_all()
+        held = Held(self._tokens, self._requests, self.cluster_tokens, self.cluster_requests)
+        self._apply(self._machine.handle(RedisFailed(type(exc).__name__, held)))
+
+    def _apply(self, effects: tuple[Do, ...]) -> Do | None:
+        """Perform the machine's synchronous effects, in order (no await between them);
+        return the duty that ends the row, if any."""
+        for do in effects:
+            if do is Do.WAKE_ALL:
+                self._wake_all()
+            elif do is Do.ANNOUNCE_OUTAGE:
+                self._metrics.budget_degraded.set(1)
+                self._metrics.budget_fallbacks.labels(self.options.unavailable).inc()
+                log.warning(
+                    "budget: Redis unavailable (%s); policy %s applies until it returns",
+                    self.last_error,
+                    self.options.unavailable,
+                )
+            elif do is Do.ANNOUNCE_RETURN:
+                self._metrics.budget_degraded.set(0)
+                log.warning("budget: Redis is back; the cluster budget applies again")
+            elif do is Do.REGISTER_LOCAL_LEASES:
+                # Local-share leases still held join the cluster budget (the return puts them
+                # in), or the other replicas would hand their tokens out a second time.
+                for held in self._fallback_held:
+                    if held.id is None:
+                        held.id = f"{self.options.replica_id}:{next(self._ids)}"
+                        self._live[held.id] = held.tokens
+            elif do is Do.SEND_UNRELEASED:
+                if self._unreleased:  # given back while the return was on its way
+                    self._background(self._release_quietly(list(self._unreleased)))
+            else:
+                assert do in DUTIES, do  # an effect of the table this shell does not know
+                return do
+        return None
 
     def _seen(self, used_tokens: int, used_requests: int, dropped: int) -> None:
         self.cluster_tokens = used_tokens
