@@ -74,7 +74,10 @@ class ConfigError(Exception):
     and so does whatever compiles a setting, such as the canary rules)."""
 
 
-@dataclass(frozen=True)
+# Not frozen: Python assigns `__traceback__` (and `__context__`) to an exception it carries
+# through a contextlib context manager, which a frozen dataclass refuses (FrozenInstanceError
+# instead of the 4xx/5xx the request was owed). Equal by value, unhashable (as it was: `extra`).
+@dataclass
 class KvproxyError(Exception):
     """An outcome kvproxy answers itself: status, OpenAI error fields, metric reason."""
 
@@ -488,7 +491,7 @@ _UPSTREAM: dict[NetworkKind, tuple[int, str, str]] = {
 UPSTREAM_OUTCOMES = tuple(dict.fromkeys(code for _, code, _ in _UPSTREAM.values()))
 
 
-@dataclass(frozen=True)
+@dataclass
 class UpstreamFailure(KvproxyError):
     """A failed outgoing leg. `kind` is the classification; `cause` the exception's type
     name (never its message, which could quote a URL or a body)."""

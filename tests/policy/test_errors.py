@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+
 import orjson
+import pytest
 
 from kvproxy.policy import errors
 from kvproxy.serve.replies import error_response
@@ -30,3 +33,74 @@ def test_every_outcome_has_both_shapes_and_the_stream_event_follows_the_style() 
         "error": {"message": errors.canary_violation().message}
     }
     assert resp.headers["X-Kvproxy-Error-Code"] == "canary_violation"
+
+
+# --- errors survive the context managers they are raised through ---------------------------
+
+
+def _exception_classes() -> list[type[BaseException]]:
+    """Every exception class defined in kvproxy (imported module by module)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import kvproxy
+
+    found: list[type[BaseException]] = []
+    for mod in pkgutil.walk_packages(kvproxy.__path__, "kvproxy."):
+        if mod.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(mod.name)
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == mod.name:
+                found.append(obj)
+    return found
+
+
+def test_no_exception_class_is_a_frozen_dataclass() -> None:
+    """Python assigns __traceback__ to an exception carried through a contextlib context
+    manager; a frozen dataclass refuses it and the request gets FrozenInstanceError."""
+    import dataclasses
+
+    classes = _exception_classes()
+    assert errors.KvproxyError in classes
+    assert errors.UpstreamFailure in classes
+    frozen = [
+        c.__qualname__
+        for c in classes
+        if dataclasses.is_dataclass(c) and c.__dataclass_params__.frozen
+    ]
+    assert frozen == []
+
+
+def test_an_error_raised_through_context_managers_arrives_intact() -> None:
+    import asyncio
+    import contextlib
+
+    @contextlib.contextmanager
+    def sync_cm() -> Iterator[None]:
+        yield
+
+    @contextlib.asynccontextmanager
+    async def async_cm() -> AsyncIterator[None]:
+        yield
+
+    raised = [
+        errors.KvproxyError(400, "some_code", "a message", "reason"),
+        errors.UpstreamFailure(502, "upstream_error", "m", "r", kind="reset", cause="X"),
+    ]
+    for err in raised:
+        with pytest.raises(type(err)) as caught:
+            with sync_cm():
+                raise err
+        assert caught.value is err
+        assert caught.value.__traceback__ is not None
+
+        async def through_async(e: errors.KvproxyError = err) -> None:
+            async with async_cm():
+                raise e
+
+        with pytest.raises(type(err)) as caught:
+            asyncio.run(through_async())
+        assert caught.value is err
+        assert caught.value.code == err.code
