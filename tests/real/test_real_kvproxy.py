@@ -51,6 +51,10 @@ GATE_TIMEOUT_S = 900
 # Each long prompt asks for as many output tokens as it has characters (the repeat-your-
 # context probe); a tiny CPU model writes ~100 tokens/s, ~10 under load: one round, short.
 FAST_CANARY = ("--rounds", "1", "--prompt-chars", "300")
+# The test router's hold between its legs (pd_test_router.py, POST /test/hold-decode): on a CPU
+# the NIXL pull takes ~0.2 ms, so the window a client can leave in is opened on purpose. Long
+# enough that the test sees prefill finish and leaves inside it on a loaded machine.
+TRANSFER_HOLD_S = 15.0
 
 
 def pool_of(m: Metrics) -> int:
@@ -201,28 +205,37 @@ def test_client_gone_while_queued_kvproxy_holds_until_decode_has_the_kv(
     n = 600
     m0 = proxy.metrics()
     p0, d0 = queued_and_left(vllm_pd, proxy.url, n)
-    # kvproxy kept the upstream: prefill computed the prompt once the blocker left, decode
-    # pulled all of it over NIXL, and only then was the upstream closed (a deferral).
+    # kvproxy kept the upstream: prefill computed the prompt once the blocker left.
+    held_until_decode_had_the_kv(vllm_pd, proxy, n, (m0, p0, d0))
+
+
+def held_until_decode_had_the_kv(
+    pair: PDPair, proxy: Kvproxy, n: int, before: tuple[Metrics, Metrics, Metrics]
+) -> None:
+    """After the client left: prefill computed the `n` prompt tokens once, decode pulled all of
+    them over NIXL (computing none), and only then did kvproxy close the upstream, counting one
+    deferral whose outcome is the first token or the end (`before`: kvproxy, prefill, decode)."""
+    m0, p0, d0 = before
     d1 = wait_metrics(
-        vllm_pd.decode,
+        pair.decode,
         lambda m: (
             m.value(SOURCE, source="external_kv_transfer")
             - d0.value(SOURCE, source="external_kv_transfer")
             >= n
         ),
         "pulled the prompt over NIXL",
+        timeout_s=TRANSFER_HOLD_S + 60,
     )
-    assert (
-        d1.value(SOURCE, source="external_kv_transfer")
-        - d0.value(SOURCE, source="external_kv_transfer")
-        == n
+    pulled = d1.value(SOURCE, source="external_kv_transfer") - d0.value(
+        SOURCE, source="external_kv_transfer"
     )
+    assert pulled == n
     assert d1.value(SOURCE, source="local_compute") == d0.value(SOURCE, source="local_compute")
-    p1 = wait_metrics(vllm_pd.prefill, idle, "idle")
+    p1 = wait_metrics(pair.prefill, idle, "idle")
     assert p1.value(SOURCE, source="local_compute") - p0.value(SOURCE, source="local_compute") == n
-    deadline_metrics = _wait_deferral(proxy, m0)
+    after = _wait_deferral(proxy, m0)
     outcomes = {
-        o: deadline_metrics.value(DEFERRED, outcome=o) - m0.value(DEFERRED, outcome=o)
+        o: after.value(DEFERRED, outcome=o) - m0.value(DEFERRED, outcome=o)
         for o in ("first_token", "completed", "timeout", "shutdown")
     }
     assert outcomes["first_token"] + outcomes["completed"] == 1, outcomes
@@ -249,11 +262,6 @@ def test_client_gone_while_queued_without_kvproxy_nothing_reaches_decode(vllm_pd
 
 
 # --- I5/I6: a client gone in the transfer phase ------------------------------------------------
-
-# The test router's hold between its legs (pd_test_router.py, POST /test/hold-decode): on a CPU
-# the NIXL pull takes ~0.2 ms, so the window a client can leave in is opened on purpose. Long
-# enough that the test sees prefill finish and leaves inside it on a loaded machine.
-TRANSFER_HOLD_S = 15.0
 
 
 def left_in_transfer_phase(pair: PDPair, target: str, n: int) -> tuple[Metrics, Metrics]:
@@ -289,30 +297,7 @@ def test_client_gone_in_the_transfer_phase_kvproxy_holds_until_decode_has_the_kv
     n = 600
     m0 = proxy.metrics()
     p0, d0 = left_in_transfer_phase(vllm_pd, proxy.url, n)
-    d1 = wait_metrics(
-        vllm_pd.decode,
-        lambda m: (
-            m.value(SOURCE, source="external_kv_transfer")
-            - d0.value(SOURCE, source="external_kv_transfer")
-            >= n
-        ),
-        "pulled the prompt over NIXL",
-        timeout_s=TRANSFER_HOLD_S + 60,
-    )
-    pulled = d1.value(SOURCE, source="external_kv_transfer") - d0.value(
-        SOURCE, source="external_kv_transfer"
-    )
-    assert pulled == n
-    assert d1.value(SOURCE, source="local_compute") == d0.value(SOURCE, source="local_compute")
-    p1 = vllm_pd.prefill.metrics()
-    assert p1.value(SOURCE, source="local_compute") - p0.value(SOURCE, source="local_compute") == n
-    after = _wait_deferral(proxy, m0)
-    outcomes = {
-        o: after.value(DEFERRED, outcome=o) - m0.value(DEFERRED, outcome=o)
-        for o in ("first_token", "completed", "timeout", "shutdown")
-    }
-    assert outcomes["first_token"] + outcomes["completed"] == 1, outcomes
-    assert outcomes["timeout"] == outcomes["shutdown"] == 0, outcomes
+    held_until_decode_had_the_kv(vllm_pd, proxy, n, (m0, p0, d0))
 
 
 def test_client_gone_in_the_transfer_phase_without_kvproxy_decode_never_pulls(
