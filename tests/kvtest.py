@@ -184,3 +184,28 @@ def add_summary(config: pytest.Config, title: str, lines: dict[str, str], path: 
     sections = config.stash.setdefault(SUMMARIES, {})
     _, old = sections.get(title, (path, {}))
     sections[title] = (path, {**old, **lines})
+
+
+async def serve_ready(
+    proc: asyncio.subprocess.Process,
+    admin: int,
+    exited: Callable[[], Awaitable[str]],
+    timeout_s: float = 120.0,
+) -> int:
+    """A `kvproxy serve` child's admission limit once its /capacity says the engines are
+    measured (bounded: `timeout_s` in 0.1 s polls); AssertionError with `exited()` (the tail of
+    its log or stderr) if it dies first."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        for _ in range(int(timeout_s / 0.1)):
+            if proc.returncode is not None:
+                raise AssertionError(f"kvproxy serve exited: {await exited()}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.get(f"http://127.0.0.1:{admin}/capacity") as r:
+                    if r.status == 200:
+                        snap = await r.json()
+                        if snap.get("known"):
+                            return int(snap["limits"]["admission_limit_tokens"])
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"kvproxy serve not ready within {timeout_s:.0f} s")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from kvtest import serve_ready
 from ports import free_port
 
 from oracles import sglang
@@ -26,7 +27,7 @@ from oracles.corpus import BY_NAME, W, chat, user
 from oracles.kvproxy_side import ROUTES, KvproxySide, settings_for
 from oracles.models import load_model
 
-READY_TRIES = 600  # x 0.05 s: a loaded machine takes a while to load the tokenizer
+READY_TIMEOUT_S = 30.0  # a loaded machine takes a while to load the tokenizer
 
 
 @dataclass
@@ -67,7 +68,7 @@ async def served(model: str, capacity: int) -> AsyncIterator[Served]:
             stderr=asyncio.subprocess.PIPE,
         )
         try:
-            limit = await _wait_ready(proc, admin)
+            limit = await serve_ready(proc, admin, lambda: _stderr(proc), READY_TIMEOUT_S)
             yield Served(f"http://127.0.0.1:{port}", limit, upstream)
         finally:
             if proc.returncode is None:
@@ -79,20 +80,9 @@ async def served(model: str, capacity: int) -> AsyncIterator[Served]:
                     await proc.wait()
 
 
-async def _wait_ready(proc: asyncio.subprocess.Process, admin: int) -> int:
-    async with aiohttp.ClientSession() as http:
-        for _ in range(READY_TRIES):
-            if proc.returncode is not None:
-                err = await proc.stderr.read() if proc.stderr else b""
-                raise AssertionError(f"kvproxy serve exited: {err[-2000:]!r}")
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with http.get(f"http://127.0.0.1:{admin}/capacity") as r:
-                    if r.status == 200:
-                        snap = await r.json()
-                        if snap.get("known"):
-                            return int(snap["limits"]["admission_limit_tokens"])
-            await asyncio.sleep(0.05)
-    raise AssertionError("kvproxy serve never became ready")
+async def _stderr(proc: asyncio.subprocess.Process) -> str:
+    err = await proc.stderr.read() if proc.stderr else b""
+    return repr(err[-2000:])
 
 
 async def _post(srv: Served, route: str, body: bytes) -> tuple[int, dict[str, str]]:

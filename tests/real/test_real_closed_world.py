@@ -35,6 +35,7 @@ if os.environ.get("KVPROXY_REAL") != "1":  # the real suite's conftest ignores i
     pytest.skip("real engines: make test-real", allow_module_level=True)
 
 from engines import VllmEngine, wait_metrics
+from kvtest import serve_ready
 from ports import free_port
 
 from kvproxy.prompt.fields import VLLM_0_32
@@ -47,7 +48,7 @@ CONCURRENCY = 6
 # `seed` ("CPU Generator does not use offset", EngineCore fatal), and beam search is minutes
 # per request here. The gate's answer to them is checked without the engine (tests/prompt).
 NOT_GENERATED = frozenset({"seed", "use_beam_search"})
-READY_TRIES = 1200  # x 0.1 s
+READY_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -84,7 +85,7 @@ async def kvproxy_serve(engine: VllmEngine, **extra: Any) -> AsyncIterator[Proxy
             start_new_session=True,
         )
     try:
-        limit = await _ready(proc, admin, log)
+        limit = await serve_ready(proc, admin, lambda: _tail(log), READY_TIMEOUT_S)
         yield Proxy(f"http://127.0.0.1:{port}", limit)
     finally:
         if proc.returncode is None:
@@ -96,20 +97,8 @@ async def kvproxy_serve(engine: VllmEngine, **extra: Any) -> AsyncIterator[Proxy
                 await proc.wait()
 
 
-async def _ready(proc: asyncio.subprocess.Process, admin: int, log: Path) -> int:
-    async with aiohttp.ClientSession() as http:
-        for _ in range(READY_TRIES):
-            if proc.returncode is not None:
-                tail = await asyncio.to_thread(log.read_text)
-                raise AssertionError(f"kvproxy serve exited: {tail[-2000:]}")
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with http.get(f"http://127.0.0.1:{admin}/capacity") as r:
-                    if r.status == 200:
-                        snap = await r.json()
-                        if snap.get("known"):
-                            return int(snap["limits"]["admission_limit_tokens"])
-            await asyncio.sleep(0.1)
-    raise AssertionError("kvproxy serve never became ready")
+async def _tail(log: Path) -> str:
+    return (await asyncio.to_thread(log.read_text))[-2000:]
 
 
 # --- the corpus -------------------------------------------------------------------------------
