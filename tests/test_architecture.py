@@ -4,6 +4,7 @@ import circles, no private names across packages. Read from the code's own impor
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 from collections import defaultdict
@@ -24,6 +25,9 @@ def package_map() -> dict[str, int]:
     }
 
 
+# Cached: the circle check asks for every import (the tree walked afresh each time made
+# `test_no_import_circles` the fast suite's third-slowest test, 47 s on a loaded machine).
+@functools.cache
 def modules() -> dict[str, Path]:
     out = {}
     for p in (REPO / "kvproxy").rglob("*.py"):
@@ -38,13 +42,18 @@ def top(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def imports() -> list[tuple[str, str, str]]:
     """(importer, imported module, name) for every kvproxy import, however nested (function
     bodies and TYPE_CHECKING blocks included: an import is an arrow wherever it stands)."""
     mods = modules()
     out = []
     for mod, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_parsed(path)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvproxy"):
                 assert node.module is not None
                 for alias in node.names:
@@ -62,7 +71,7 @@ def defining_module(module: str, name: str) -> str:
         return f"{module}.{name}"
     path = mods[module]
     if path.name == "__init__.py":
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for node in _parsed(path).body:
             if (
                 isinstance(node, ast.ImportFrom)
                 and node.module
