@@ -5,7 +5,11 @@ tests read, and the per-template summary printed at the end of the run."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from tokenizer_files import cache_root
@@ -24,15 +28,43 @@ SLOW_EXAMPLES = int(os.environ.get("KVPROXY_ORACLE_SLOW_EXAMPLES", "20"))
 collect_ignore = [] if os.environ.get("KVPROXY_REAL") == "1" else ["test_oracle_sglang_real.py"]
 
 
-@pytest.fixture(scope="session")
-def fast_run() -> Result:
-    return run(REPRESENTATIVES, FAST_EXAMPLES, derandomize=True, suite="fast")
+def _once_per_run(
+    name: str, build: Callable[[], Result], tmp: pytest.TempPathFactory, worker: str
+) -> Result:
+    """`build()` once per test run, not once per xdist worker: the first worker to ask builds
+    it under a lock and leaves it pickled in the run's shared temp directory; the others wait
+    and read it (the pass is derandomised, so every worker would have built the same). The
+    fast pass was the fast suite's largest cost built three times (531 s of setup on a
+    loaded machine, --durations)."""
+    if worker == "master":  # not under xdist
+        return build()
+    shared = Path(tmp.getbasetemp()).parent
+    path = shared / f"oracle-{name}.pickle"
+    with (shared / f"oracle-{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            result: Result = pickle.loads(path.read_bytes())
+            return result
+        result = build()
+        path.write_bytes(pickle.dumps(result))
+        return result
 
 
 @pytest.fixture(scope="session")
-def slow_run() -> Result:
-    models = tuple(template_models())
-    return run(models, SLOW_EXAMPLES, derandomize=True, suite="slow", every_model=True)
+def fast_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Result:
+    def build() -> Result:
+        return run(REPRESENTATIVES, FAST_EXAMPLES, derandomize=True, suite="fast")
+
+    return _once_per_run("fast", build, tmp_path_factory, worker_id)
+
+
+@pytest.fixture(scope="session")
+def slow_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Result:
+    def build() -> Result:
+        models = tuple(template_models())
+        return run(models, SLOW_EXAMPLES, derandomize=True, suite="slow", every_model=True)
+
+    return _once_per_run("slow", build, tmp_path_factory, worker_id)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
