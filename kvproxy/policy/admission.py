@@ -227,11 +227,17 @@ def _too_long(count: TokenCount, shape: ShapeView, limits: LimitsView) -> Reject
     )
 
 
+def unmeasured() -> Reject:
+    """The refusal of a request whose limits are not known when it is decided (they went
+    stale while it was counted; I3)."""
+    return Reject(errors.capacity_unknown(5, "no fresh measurement"))
+
+
 def decide(count: TokenCount, shape: ShapeView, limits: LimitsView, policy: Policy) -> Decision:
     limit = _input_limit(limits)
     published = limits.admission_limit_tokens
     if not limits.known or limit is None or published is None:
-        return Reject(errors.capacity_unknown(5, "no fresh measurement"))
+        return unmeasured()
 
     if count.tokens > limit:
         return _too_long(count, shape, limits)
@@ -291,6 +297,7 @@ __all__ = [
     "decide",
     "precheck",
     "recheck",
+    "unmeasured",
 ]
 
 

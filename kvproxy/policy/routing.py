@@ -73,7 +73,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from kvproxy.policy import admission, errors
+from kvproxy.policy import admission
 from kvproxy.policy.counts import TokenCount
 
 RoutingReason = Literal["fit", "affinity", "retry"]
@@ -357,6 +357,10 @@ class Outliers:
     def observe(
         self, cluster: str, outcome: Outcome, source: str, now: float
     ) -> Ejection | Capped | None:
+        if self.cap() < 1:
+            # No sibling to take its traffic (a model of one cluster): nothing to eject it
+            # in favour of, so nothing is detected, ejected or reported as capped.
+            return None
         h = self.health[cluster]
         counted = h.record(outcome, source, now)
         if not counted or h.ejected(now):
@@ -493,19 +497,18 @@ class Balancer:
             elif limits.admission_limit_tokens > refusal_limit:
                 refusal, refusal_limit = verdict, limits.admission_limit_tokens
         if not fits:
-            if refusal is not None:
-                return refusal
-            return admission.Reject(errors.capacity_unknown(5, "no measured cluster"))
+            # None measured: `decide`'s own refusal of unknown limits (I3).
+            return refusal or admission.unmeasured()
         healthy = [f for f in fits if not f[0].health.ejected(now)] or fits
         charge = max(shape.n, 1)
         # Those that can take it now: a full budget would make it wait while another lends.
         ready = [f for f in healthy if f[0].room_now(f[1].total * charge)]
         retry = bool(exclude)
-        if key is not None and not retry:
-            # Hashed over every configured cluster, so a key's home stays put while a
-            # cluster is unmeasured or ejected; the key spills meanwhile.
-            home = rendezvous(key, clusters)
-            assert home is not None
+        # Hashed over every configured cluster, so a key's home stays put while a cluster
+        # is unmeasured or ejected; the key spills meanwhile. A key with no other cluster to
+        # keep it from chose nothing: its pick is by fit, like a request without a key.
+        home = rendezvous(key, clusters) if key is not None and not retry else None
+        if home is not None and any(c is not home for c in clusters):
             home_fit = next((f for f in fits if f[0] is home), None)
             spill: SpillReason | None
             if home not in measured:
