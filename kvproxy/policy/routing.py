@@ -25,7 +25,8 @@ The rules, in order:
     offers (a prompt that fits no cluster, and the limit a client could still reach);
   - an ejected cluster is not a candidate while a healthy one fits (when only ejected ones
     fit, they are: a back-off is a guess, a refusal of a prompt some cluster holds is not);
-  - affinity: the key (a header's value) is hashed over every configured cluster by
+  - affinity (when another cluster exists: a lone cluster's pick is by fit, with or
+    without a key): the key (a header's value) is hashed over every configured cluster by
     weighted rendezvous hashing (highest random weight; score -w / ln(u), Schindelhauer and
     Schomaker's weighted form, so a cluster of weight 2 wins twice as many keys). The winner
     (the key's home) is picked when it can take the request now (reason `affinity`): it is
@@ -327,7 +328,7 @@ class Outliers:
     A cluster is ejected when a failure (`FAILURES`) completes a streak of
     `policy.consecutive`, or when its success rate in the window is more than
     `success_rate_margin` below its siblings' mean; never while the ejected share is at the
-    cap, never the last cluster standing.
+    cap, never the last cluster standing (a lone cluster: never, and nothing is reported).
     """
 
     __slots__ = ("health", "policy")

@@ -13,6 +13,8 @@
     After the exchange, the cluster's passive health (`_observe_health`: its outcome, into
     the model's outlier detection); a connect failure, and only that (no byte was sent),
     runs RETRY once on another cluster.
+    Every config shape runs these stages alike: a single upstream is a model of one cluster
+    (kvproxy.config's model table); nothing here branches on the number of clusters.
 
 Each stage fails closed: a connection accepted past the connection limit, or a body that
 finds no room in the body-memory budget in time, is a 503 `overloaded` before its body is

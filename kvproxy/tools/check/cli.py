@@ -9,9 +9,9 @@ boundary probes request it by its configured name, the proxy limit compared with
 measurement is the one under its `model` label, and the record has a section per model
 (`--model NAME`, a name or an alias, gates that one alone). The deferral counts on the
 proxy's admin /metrics belong to the replica, not to a model: each section shows the same.
-A model with `upstreams` (gateway mode) gates each cluster on its own engines and the
-proxy's routing between them (kvproxy.tools.check.clusters), its record one section per
-cluster; `--sim CLUSTER=URL` gives each cluster's ground truth.
+A model with `upstreams` (gateway mode) is gated by the same gate, each cluster on its own
+engines, and the proxy's routing between them, its record one section per cluster
+(kvproxy.tools.check.clusters); `--sim CLUSTER=URL` gives each cluster's ground truth.
 
 Exit codes: 0 every check passed, 1 a check failed (cli.py maps ConfigError to 2).
 """
