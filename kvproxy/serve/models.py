@@ -127,10 +127,6 @@ class ModelServices:
         """The first cluster's budget: the only one without `upstreams`."""
         return self.clusters[0].budget
 
-    @property
-    def upstream(self) -> str:
-        return self.clusters[0].url
-
     def others(self, cluster: ClusterServices) -> tuple[ClusterServices, ...]:
         """Its clusters but `cluster`: where a request it refused the connection moves."""
         return tuple(c for c in self.clusters if c is not cluster)
@@ -154,7 +150,10 @@ class ModelServices:
     def capacity_json(self) -> dict[str, Any]:
         """Its engines, limits and budget; with `upstreams`, each cluster's under `clusters`."""
         if not self.gateway:
-            return self.clusters[0].capacity_json()
+            # The form, not the count: a model without `upstreams` is its one implicit
+            # cluster, shown flat (a one-cluster `upstreams` list is shown by cluster).
+            (implicit,) = self.clusters
+            return implicit.capacity_json()
         limits = [c.limits() for c in self.clusters]
         offered = [x.admission_limit_tokens for x in limits if x.known]
         return {
@@ -168,7 +167,8 @@ class ModelServices:
     def snapshot_json(self) -> dict[str, Any]:
         return {
             "aliases": list(self.aliases),
-            "upstream": None if self.gateway else self.upstream,
+            # Its router (`settings.upstream`: the model's own, else the top-level one).
+            "upstream": None if self.gateway else self.settings.upstream,
             "tokenizer": self.counter.describe(),
             **self.capacity_json(),
         }
