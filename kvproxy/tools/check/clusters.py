@@ -1,9 +1,10 @@
-"""`kvproxy check` for a model served by several PD clusters (gateway mode, `upstreams`).
+"""`kvproxy check`'s layout for a model whose config names its PD clusters (gateway mode,
+`upstreams`): `BY_CLUSTER`, the steps being the one gate's (kvproxy.tools.check.gate).
 
-Each cluster is gated on its own, the way one model is (kvproxy.tools.check.gate: its
-engines measured, their posture, its limits under the model's declared context, margin and
-fallback), and gets a section of the record. Then, through the proxy, whose routing sends a
-prompt to a cluster whose limits hold it:
+Each cluster is gated on its own (kvproxy.tools.check.engines: its engines measured, their
+posture, its limits under the model's declared context, margin and fallback), and gets a
+section of the record. Then, through the proxy, whose routing sends a prompt to a cluster
+whose limits hold it:
   - each distinct cluster limit L: L-1 and L are admitted; L+1 is admitted when a larger
     cluster holds it, else refused with 400 context_length_exceeded;
   - with ground truth (`--sim NAME=URL` per cluster), a probe of n tokens arrives only at
@@ -18,77 +19,31 @@ Never records prompt or completion text.
 
 from __future__ import annotations
 
-import socket
-import time
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
-from kvproxy import __version__
-from kvproxy.tools.check.boundary import (
-    REQUEST_TIMEOUT_S,
-    Check,
-    isolation_checks,
-    resolve_model,
-    unknown_probe,
+from kvproxy.tools.check.boundary import REQUEST_TIMEOUT_S, Check
+from kvproxy.tools.check.engines import (
+    ClusterResult,
+    ClusterTarget,
+    GateOptions,
+    Layout,
+    engine_row,
 )
-from kvproxy.tools.check.deferred import CHECK_NAME, deferred_counts, deferred_verdict
-from kvproxy.tools.check.gate import EngineVerdict, GateOptions, engine_row, iso_time, judge_engines
-from kvproxy.tools.check.record import SCHEMA, ReleaseRecord
 from kvproxy.tools.client import (
-    ModelUnknown,
     ProbeClient,
     boundary_prompts,
     fetch_sim_stats,
     sim_arrivals,
     sim_prefill_url,
 )
-from kvproxy.tools.isolation.harness import CanaryOptions, run_isolation, summary
+
+__all__ = ["BY_CLUSTER", "ClusterTarget", "cluster_boundary_probes", "model_limits"]
 
 
-@dataclass(frozen=True)
-class ClusterTarget:
-    """One cluster to gate: its name (the `upstream` label), router URL, weight, and the
-    gate's options for its engines (`gate.sim` is its ground truth, if any)."""
-
-    name: str
-    url: str
-    weight: float
-    gate: GateOptions
-
-
-@dataclass
-class ClusterResult:
-    target: ClusterTarget
-    engines: EngineVerdict
-    proxy_limit: int | None = None
-
-    @property
-    def limit(self) -> int | None:
-        """The limit the probes aim at: the proxy's published one when read, else measured."""
-        return self.proxy_limit or self.engines.admission_limit_tokens
-
-    def section(self, extra: list[Check]) -> dict[str, Any]:
-        checks = [*self.engines.checks, *extra]
-        failed = [c.name for c in checks if not c.passed]
-        if not self.engines.ok:
-            failed.append("no engine measured")
-        t = self.target
-        return {
-            "url": t.url,
-            "weight": t.weight,
-            "engines": [engine_row(s, m) for s, m in self.engines.measured],
-            "limits": self.engines.limits,
-            "safe_max_context_tokens": self.engines.safe_ctx,
-            "posture": self.engines.posture,
-            "checks": [asdict(c) for c in checks],
-            "passed": not failed,
-            "failed_checks": failed,
-        }
-
-
-def model_limits(results: list[ClusterResult]) -> dict[str, Any]:
+def model_limits(results: Sequence[ClusterResult]) -> dict[str, Any]:
     """The model's limits as the proxy publishes them: the largest any measured cluster
     offers (kvproxy_admission_limit_tokens{model}); unknown while no cluster is measured."""
     known = [r for r in results if r.engines.admission_limit_tokens is not None]
@@ -125,7 +80,7 @@ async def _observe_all(
 async def cluster_boundary_probes(
     http: aiohttp.ClientSession,
     proxy: str,
-    results: list[ClusterResult],
+    results: Sequence[ClusterResult],
     model: str,
     opts: GateOptions,
 ) -> list[Check]:
@@ -191,33 +146,27 @@ async def cluster_boundary_probes(
     return checks
 
 
-async def run_cluster_gate(
-    opts: GateOptions, clusters: list[ClusterTarget], progress: Any = print
-) -> ReleaseRecord:
-    """Gate every cluster of one model and the proxy's routing between them (module doc).
-    `opts` carries the model-level options (proxy, admin, canary, model name)."""
-    started = time.time()
-    checks: list[Check] = []
-    results: list[ClusterResult] = []
-    extra: dict[str, list[Check]] = {c.name: [] for c in clusters}
-    async with aiohttp.ClientSession() as http:
-        for cluster in clusters:
-            progress(
-                f"[check] cluster {cluster.name}: measuring {len(cluster.gate.engines)} engines"
-            )
-            results.append(ClusterResult(cluster, await judge_engines(http, cluster.gate)))
-        deferred = None
-        if opts.proxy_admin:
-            deferred = await deferred_counts(http, opts.proxy_admin, opts.limit_model)
-            if deferred is None:
-                checks.append(Check("proxy metrics", False, "admin /metrics unreachable"))
+class _ByCluster:
+    """A gateway model's record: a section per cluster (its engines, limits, posture, checks
+    and verdict), the model's limits the largest any measured cluster offers, each
+    cluster's checks after the probes under its name, probed at every cluster's limit."""
+
+    def measuring(self, target: ClusterTarget) -> str | None:
+        return f"[check] cluster {target.name}: measuring {len(target.gate.engines)} engines"
+
+    def front_checks(self, results: Sequence[ClusterResult]) -> list[Check]:
+        return []
+
+    def read_proxy_limits(self, results: Sequence[ClusterResult], deferred: Any) -> None:
+        """Each cluster's published limit (kvproxy_upstream_limit_tokens) is at most what the
+        gate measured for it; the probes aim at it."""
         published = (deferred or {}).get("proxy_upstream_limit_tokens", {})
         for r in results:
             proxy_limit = published.get(r.target.name)
             if proxy_limit is None:
                 continue
             measured = r.engines.admission_limit_tokens
-            extra[r.target.name].append(
+            r.extra.append(
                 Check(
                     "proxy enforces the measured limit",
                     measured is not None and proxy_limit <= measured,
@@ -225,82 +174,42 @@ async def run_cluster_gate(
                 )
             )
             r.proxy_limit = proxy_limit
-        model = ""
-        if opts.proxy or opts.canary:
-            try:
-                bases = [u for u in (opts.proxy,) if u]
-                bases += [e.url.rstrip("/") for c in clusters for e in c.gate.engines]
-                model, source = await resolve_model(http, opts.model, bases)
-                progress(f"[check] model {model} (from {source})")
-            except ModelUnknown as exc:
-                checks.append(Check("model", False, str(exc)))
-        if opts.proxy and model:
-            progress("[check] boundary probes at every cluster's limit ...")
-            checks.extend(await cluster_boundary_probes(http, opts.proxy, results, model, opts))
-        if opts.unknown_probe:
-            # kvproxy answers capacity_unknown before it looks at the model.
-            checks.append(await unknown_probe(http, opts.unknown_probe, model or "default"))
-    for r in results:
-        for c in [*r.engines.checks, *extra[r.target.name]]:
-            checks.append(Check(f"cluster {r.target.name}: {c.name}", c.passed, c.detail, c.data))
-    limits = model_limits(results)
-    isolation = None
-    if opts.canary and model and opts.proxy:
-        # One run through the proxy at the model's ceiling; the ground truth and the
-        # engine it measures prompts with are the largest cluster's (the only one a prompt
-        # at the ceiling may reach).
-        top = next((r for r in results if r.target.name == limits.get("cluster")), results[0])
-        report = await run_isolation(
-            CanaryOptions(
-                target=opts.proxy,
-                sim=top.target.gate.sim,
-                engine=next(
-                    (e.url.rstrip("/") for e in top.target.gate.engines if e.role != "decode"),
-                    None,
-                ),
-                proxy_admin=opts.proxy_admin,
-                limit=limits.get("admission_limit_tokens"),
-                model=model,
-                probe_kind=opts.probe_kind,
-                allow_partial=opts.canary_allow_partial,
-                rounds=opts.canary_rounds,
-                prompt_chars=opts.canary_prompt_chars,
-                progress=progress,
-            )
-        )
-        isolation = report.to_json()
-        checks.extend(isolation_checks(report))
-        progress(summary(report))
-    elif opts.canary:
-        checks.append(Check("isolation", False, "--canary needs --proxy (the target)"))
-    if deferred is not None:
-        verdict = deferred_verdict(deferred, opts.accept_drain_timeouts)
-        checks.append(Check(CHECK_NAME, verdict.passed, verdict.detail, deferred))
-    sections = {r.target.name: r.section(extra[r.target.name]) for r in results}
-    # A cluster whose engines could not be measured fails its "measure" checks: the proxy
-    # would send it nothing, which is not the deployment the operator configured.
-    failed = [c.name for c in checks if not c.passed]
-    safe = [r.engines.safe_ctx for r in results if r.engines.safe_ctx is not None]
-    return ReleaseRecord(
-        schema=SCHEMA,
-        kvproxy_version=__version__,
-        started_at=iso_time(started),
-        finished_at=iso_time(time.time()),
-        host=socket.gethostname(),
-        declared_context_tokens=opts.max_context,
-        engines=[
-            {**engine_row(s, m), "cluster": r.target.name}
+
+    async def probes(
+        self,
+        http: aiohttp.ClientSession,
+        opts: GateOptions,
+        results: Sequence[ClusterResult],
+        model: str,
+        deferred: dict[str, Any] | None,
+        progress: Any,
+    ) -> list[Check]:
+        progress("[check] boundary probes at every cluster's limit ...")
+        assert opts.proxy is not None
+        return await cluster_boundary_probes(http, opts.proxy, results, model, opts)
+
+    def back_checks(self, results: Sequence[ClusterResult]) -> list[Check]:
+        return [
+            Check(f"cluster {r.target.name}: {c.name}", c.passed, c.detail, c.data)
             for r in results
-            for s, m in r.engines.measured
-        ],
-        limits=limits,
-        safe_max_context_tokens=max(safe) if safe else None,
-        checks=checks,
-        deferred_cancellations=deferred,
-        accept_drain_timeouts=opts.accept_drain_timeouts,
-        isolation=isolation,
-        passed=not failed,
-        failed_checks=failed,
-        posture=None,
-        clusters=sections,
-    )
+            for c in [*r.engines.checks, *r.extra]
+        ]
+
+    def record(self, results: Sequence[ClusterResult], failed: list[str]) -> dict[str, Any]:
+        # A cluster whose engines could not be measured fails its "measure" checks: the
+        # proxy would send it nothing, which is not the deployment the operator configured.
+        return {
+            "engines": [
+                {**engine_row(s, m), "cluster": r.target.name}
+                for r in results
+                for s, m in r.engines.measured
+            ],
+            "limits": model_limits(results),
+            "posture": None,
+            "clusters": {r.target.name: r.section() for r in results},
+            "passed": not failed,
+            "failed_checks": failed,
+        }
+
+
+BY_CLUSTER: Layout = _ByCluster()

@@ -16,30 +16,25 @@ Runs in CI/CD before a rollout that touches long-context settings:
 It fills in a release record (kvproxy.tools.check.record: JSON with its schema beside it, and
 Markdown) and passes only when every check passed; the command line is
 kvproxy.tools.check.cli. Never records prompt or completion text.
+
+One gate for every config shape: a model's clusters are measured and probed by the same
+steps (`run_gate`). The single-upstream form is its one implicit cluster, recorded flat
+(`FLAT`: the model's engines, limits and posture, probed at its limit); a gateway model's
+named clusters are each recorded in a section and probed at every cluster's limit
+(kvproxy.tools.check.clusters.BY_CLUSTER).
 """
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
 from kvproxy import __version__
-from kvproxy.capacity import (
-    EngineMeasurement,
-    ProbeError,
-    expand_engine,
-    held_context,
-    limits_for,
-    probe_engine,
-    system_resolver,
-)
-from kvproxy.config import EngineSpec
+from kvproxy.config import IMPLICIT_CLUSTER
 from kvproxy.tools.check.boundary import (
     Check,
     boundary_probes,
@@ -47,9 +42,18 @@ from kvproxy.tools.check.boundary import (
     resolve_model,
     unknown_probe,
 )
+from kvproxy.tools.check.clusters import BY_CLUSTER
 from kvproxy.tools.check.deferred import CHECK_NAME, deferred_counts, deferred_verdict
-from kvproxy.tools.check.posture import CHECK_NAME as POSTURE_CHECK
-from kvproxy.tools.check.posture import posture_check
+from kvproxy.tools.check.engines import (
+    ClusterResult,
+    ClusterTarget,
+    GateOptions,
+    Layout,
+    engine_row,
+    iso_time,
+    judge_engines,
+    top_result,
+)
 from kvproxy.tools.check.record import (
     SCHEMA,
     ReleaseRecord,
@@ -57,11 +61,13 @@ from kvproxy.tools.check.record import (
     markdown,
     write_record,
 )
-from kvproxy.tools.client import ModelUnknown, ProbeChoice
+from kvproxy.tools.client import ModelUnknown
 from kvproxy.tools.isolation.harness import CanaryOptions, run_isolation, summary
 
 __all__ = [
+    "FLAT",
     "Check",
+    "ClusterTarget",
     "GateOptions",
     "ReleaseRecord",
     "engine_table",
@@ -70,254 +76,120 @@ __all__ = [
     "write_record",
 ]
 
-PROBE_TIMEOUT_S = 10.0
 
+class _Flat:
+    """The single-upstream form's record: its one cluster's engines, limits and posture at
+    the top, its checks first, probed at its limit (the proxy's published one when read)."""
 
-@dataclass
-class GateOptions:
-    engines: tuple[EngineSpec, ...]
-    max_context: int | None
-    # The rest of what the proxy's limits depend on (kvproxy.capacity.limits_for), from the
-    # same settings the proxy loads: the gate probes the limit the proxy enforces.
-    limit_margin_tokens: int = 0
-    capacity_fallback_limit_tokens: int | None = None
-    proxy: str | None = None
-    proxy_admin: str | None = None
-    sim: str | None = None
-    canary: bool = False
-    unknown_probe: str | None = None
-    out: Path | None = None
-    model: str | None = None  # None: the proxy's (else an engine's) /v1/models
-    probe_kind: ProbeChoice = "auto"
-    # The operator accepts deferrals that ended without a confirmed drain (kept in the record).
-    accept_drain_timeouts: bool = False
-    # The operator accepts an isolation run that skipped scenarios (kept in its report).
-    canary_allow_partial: bool = False
-    # The isolation scenarios' rounds and long-prompt size (kvproxy canary's --rounds and
-    # --prompt-chars): replies are asked for as many tokens as the prompt has characters.
-    canary_rounds: int = 4
-    canary_prompt_chars: int | None = None
-    # Engine posture (kvproxy.posture): the operator's advisories and accepted ids.
-    advisories_file: str | None = None
-    accept_advisories: tuple[str, ...] = ()
-    # A configured model (a `models` entry): the name whose limit the proxy's
-    # metrics carry under `model`; None reads the single model's.
-    limit_model: str | None = None
+    def measuring(self, target: ClusterTarget) -> str | None:
+        return None
 
+    def front_checks(self, results: Sequence[ClusterResult]) -> list[Check]:
+        return [c for r in results for c in r.engines.checks]
 
-def iso_time(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    def read_proxy_limits(self, results: Sequence[ClusterResult], deferred: Any) -> None:
+        return None  # compared with the measured limit by the probes (below)
 
-
-async def measure(
-    http: aiohttp.ClientSession, specs: tuple[EngineSpec, ...]
-) -> list[tuple[EngineSpec, EngineMeasurement | ProbeError]]:
-    """Every engine (DNS names expanded), probed concurrently with the proxy's own probes."""
-    expanded: list[EngineSpec | tuple[EngineSpec, ProbeError]] = []
-    for spec in specs:
-        try:
-            expanded.extend(await expand_engine(spec, system_resolver, PROBE_TIMEOUT_S))
-        except ProbeError as exc:
-            expanded.append((spec, exc))
-
-    async def one(spec: EngineSpec) -> EngineMeasurement | ProbeError:
-        try:
-            return await probe_engine(http, spec, PROBE_TIMEOUT_S)
-        except ProbeError as exc:
-            return exc
-
-    out: list[tuple[EngineSpec, EngineMeasurement | ProbeError]] = []
-    todo = [e for e in expanded if isinstance(e, EngineSpec)]
-    results = await asyncio.gather(*(one(s) for s in todo))
-    out.extend(zip(todo, results, strict=True))
-    out.extend(e for e in expanded if isinstance(e, tuple))
-    return out
-
-
-def declared_context_check(
-    declared: int, measured: list[EngineMeasurement], safe_limit: int, why: str
-) -> Check:
-    """The incident's misconfiguration: a declared context larger than what an admitting
-    engine holds. Compared in the same unit (tokens of context: min(context, pool), as
-    `held_context` computes it for the proxy's own warning), so a healthy 8,192 / 8,192
-    deployment passes; the safe value printed is the largest prompt the engines accept."""
-    held = held_context(measured)
-    if held is None:
-        return Check("declared context fits every engine", False, "no engine measured")
-    cap, m = held
-    data = {"declared": declared, "engine_holds": cap, "engine": m.engine, "safe": safe_limit}
-    if declared <= cap:
-        return Check(
-            "declared context fits every engine",
-            True,
-            f"declared {declared:,} <= {cap:,} held by {m.engine}; "
-            f"largest admitted prompt {safe_limit:,}",
-            data,
-        )
-    return Check(
-        "declared context fits every engine",
-        False,
-        f"declared {declared:,} exceeds the {cap:,} tokens {m.engine} holds "
-        f"({m.pool_source}); measured limit {safe_limit:,} ({why}); set the declared "
-        f"context to at most {safe_limit:,}",
-        data,
-    )
-
-
-def engine_row(spec: EngineSpec, m: EngineMeasurement | ProbeError) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "engine": spec.label,
-        "url": spec.url,
-        "role": spec.role,
-        "kind": spec.kind,
-    }
-    if isinstance(m, ProbeError):
-        row["error"] = {"reason": m.reason, "message": m.message}
-        return row
-    row["engine"] = m.engine
-    row.update(m.to_json())
-    return row
-
-
-@dataclass
-class EngineVerdict:
-    """What the gate found about one set of engines (a model's, or one cluster's): the
-    measurements, the checks on them, their posture and the limits the proxy would enforce."""
-
-    measured: list[tuple[EngineSpec, EngineMeasurement | ProbeError]]
-    checks: list[Check]
-    posture: dict[str, Any]
-    # The limits the proxy would enforce (kvproxy.capacity.limits_for), as the record shows.
-    limits: dict[str, Any]
-    admission_limit_tokens: int | None
-    # What the measured engines alone can take (no declared context, margin or unmeasured).
-    safe_ctx: int | None
-
-    @property
-    def ok(self) -> list[EngineMeasurement]:
-        return [m for _, m in self.measured if isinstance(m, EngineMeasurement)]
-
-
-async def judge_engines(http: aiohttp.ClientSession, opts: GateOptions) -> EngineVerdict:
-    """Measure `opts.engines`, check each and their posture, derive the proxy's limits."""
-    checks: list[Check] = []
-    measured = await measure(http, opts.engines)
-    ok_m = [m for _, m in measured if isinstance(m, EngineMeasurement)]
-    for spec, m in measured:
-        if isinstance(m, ProbeError):
-            checks.append(Check(f"measure {spec.label}", False, f"probe failed: {m}"))
-        else:
+    async def probes(
+        self,
+        http: aiohttp.ClientSession,
+        opts: GateOptions,
+        results: Sequence[ClusterResult],
+        model: str,
+        deferred: dict[str, Any] | None,
+        progress: Any,
+    ) -> list[Check]:
+        checks: list[Check] = []
+        top = top_result(results)
+        probe_limit = top.engines.admission_limit_tokens
+        proxy_limit = deferred.get("proxy_admission_limit_tokens") if deferred else None
+        if proxy_limit:
             checks.append(
                 Check(
-                    f"measure {m.engine}",
-                    True,
-                    f"{m.role} input limit {m.input_limit_tokens:,} ({m.input_limit_source})",
+                    "proxy enforces the measured limit",
+                    probe_limit is not None and proxy_limit <= probe_limit,
+                    f"proxy limit {proxy_limit:,}, measured {probe_limit}",
                 )
             )
-    ok, detail, posture = posture_check(measured, opts.advisories_file, opts.accept_advisories)
-    checks.append(Check(POSTURE_CHECK, ok, detail, {"blocking": posture["blocking"]}))
-    # What the proxy would enforce with these measurements: an engine the gate could
-    # not measure is unknown to it too (fail closed, or the configured fallback).
-    unmeasured = {spec.label: spec.role for spec, m in measured if isinstance(m, ProbeError)}
-    limits = limits_for(opts, ok_m, unmeasured)
-    safe_ctx = limits.measured_limit_tokens
-    if opts.max_context is not None and safe_ctx is not None:
-        checks.append(declared_context_check(opts.max_context, ok_m, safe_ctx, limits.measured_why))
-    return EngineVerdict(
-        measured, checks, posture, limits.to_json(), limits.admission_limit_tokens, safe_ctx
-    )
+            probe_limit = proxy_limit
+        if probe_limit is None:
+            checks.append(Check("boundary probes", False, "no limit could be measured"))
+            return checks
+        progress(f"[check] boundary probes at {probe_limit:,} tokens ...")
+        gate = top.target.gate
+        assert opts.proxy is not None
+        checks += await boundary_probes(
+            http, opts.proxy, gate.engines, gate.sim, probe_limit, model, opts.probe_kind
+        )
+        return checks
+
+    def back_checks(self, results: Sequence[ClusterResult]) -> list[Check]:
+        return []
+
+    def record(self, results: Sequence[ClusterResult], failed: list[str]) -> dict[str, Any]:
+        top = top_result(results)
+        measured = any(r.engines.ok for r in results)
+        return {
+            "engines": [engine_row(s, m) for r in results for s, m in r.engines.measured],
+            "limits": top.engines.limits,
+            "posture": top.engines.posture,
+            "clusters": None,
+            "passed": not failed and measured,
+            "failed_checks": failed or ([] if measured else ["no engine measured"]),
+        }
 
 
-async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
+FLAT: Layout = _Flat()
+
+
+async def run_gate(
+    opts: GateOptions, progress: Any = print, clusters: Sequence[ClusterTarget] = ()
+) -> ReleaseRecord:
+    """Gate one model: each of its clusters' engines, the proxy's limits and boundary, the
+    capacity-unknown probe, the isolation scenarios and the deferral counts (module doc).
+    `clusters`: a gateway model's named clusters, each with the gate's options for its own
+    engines (`opts` carries the model-level ones: proxy, admin, canary, model name); none:
+    the model's engines (`opts`) are its one implicit cluster."""
+    layout = BY_CLUSTER if clusters else FLAT
+    targets = tuple(clusters) or (ClusterTarget(IMPLICIT_CLUSTER, "", 1.0, opts),)
     started = time.time()
+    results: list[ClusterResult] = []
     async with aiohttp.ClientSession() as http:
-        engines = await judge_engines(http, opts)
-        measured, ok_m, checks = engines.measured, engines.ok, engines.checks
-        posture, safe_ctx = engines.posture, engines.safe_ctx
-        admission_limit = engines.admission_limit_tokens
+        for target in targets:
+            line = layout.measuring(target)
+            if line is not None:
+                progress(line)
+            results.append(ClusterResult(target, await judge_engines(http, target.gate)))
+        checks = layout.front_checks(results)
         deferred = None
         if opts.proxy_admin:
             deferred = await deferred_counts(http, opts.proxy_admin, opts.limit_model)
             if deferred is None:
                 checks.append(Check("proxy metrics", False, "admin /metrics unreachable"))
+        layout.read_proxy_limits(results, deferred)
         model = "default"
         if opts.proxy or opts.canary:
             try:
                 bases = [u for u in (opts.proxy, opts.unknown_probe) if u]
-                bases += [e.url.rstrip("/") for e in opts.engines]
+                bases += [e.url.rstrip("/") for t in targets for e in t.gate.engines]
                 model, model_source = await resolve_model(http, opts.model, bases)
                 progress(f"[check] model {model} (from {model_source})")
             except ModelUnknown as exc:
                 checks.append(Check("model", False, str(exc)))
                 model = ""
         if opts.proxy and model:
-            probe_limit = admission_limit
-            proxy_limit = deferred.get("proxy_admission_limit_tokens") if deferred else None
-            if proxy_limit:
-                checks.append(
-                    Check(
-                        "proxy enforces the measured limit",
-                        probe_limit is not None and proxy_limit <= probe_limit,
-                        f"proxy limit {proxy_limit:,}, measured {probe_limit}",
-                    )
-                )
-                probe_limit = proxy_limit
-            if probe_limit is None:
-                checks.append(Check("boundary probes", False, "no limit could be measured"))
-            else:
-                progress(f"[check] boundary probes at {probe_limit:,} tokens ...")
-                checks.extend(
-                    await boundary_probes(
-                        http,
-                        opts.proxy,
-                        opts.engines,
-                        opts.sim,
-                        probe_limit,
-                        model,
-                        opts.probe_kind,
-                    )
-                )
+            checks += await layout.probes(http, opts, results, model, deferred, progress)
         if opts.unknown_probe:
             # kvproxy answers capacity_unknown before it looks at the model.
             checks.append(await unknown_probe(http, opts.unknown_probe, model or "default"))
+    checks += layout.back_checks(results)
     isolation = None
     if opts.canary and model:
-        target = opts.proxy
-        if target is None:
-            checks.append(Check("isolation", False, "--canary needs --proxy (the target)"))
-        else:
-            report = await run_isolation(
-                CanaryOptions(
-                    target=target,
-                    sim=opts.sim,
-                    engine=next(
-                        (e.url.rstrip("/") for e in opts.engines if e.role != "decode"), None
-                    ),
-                    proxy_admin=opts.proxy_admin,
-                    limit=admission_limit,
-                    model=model,
-                    probe_kind=opts.probe_kind,
-                    allow_partial=opts.canary_allow_partial,
-                    rounds=opts.canary_rounds,
-                    prompt_chars=opts.canary_prompt_chars,
-                    progress=progress,
-                )
-            )
-            isolation = report.to_json()
-            checks.extend(isolation_checks(report))
-            progress(summary(report))
+        isolation = await _isolation(opts, top_result(results), model, checks, progress)
     if deferred is not None:
-        # Read again now: the isolation scenarios (cancel) defer cancellations of their own,
-        # and a drain they caused that ended by timeout must fail the gate too.
-        async with aiohttp.ClientSession() as http:
-            after = await deferred_counts(http, opts.proxy_admin or "", opts.limit_model)
-        if after is None:
-            checks.append(Check("proxy metrics", False, "admin /metrics unreachable at the end"))
-        else:
-            deferred = after
-        verdict = deferred_verdict(deferred, opts.accept_drain_timeouts)
-        checks.append(Check(CHECK_NAME, verdict.passed, verdict.detail, deferred))
+        deferred = await _deferred_after(opts, deferred, checks)
     failed = [c.name for c in checks if not c.passed]
+    safe = [r.engines.safe_ctx for r in results if r.engines.safe_ctx is not None]
     return ReleaseRecord(
         schema=SCHEMA,
         kvproxy_version=__version__,
@@ -325,14 +197,57 @@ async def run_gate(opts: GateOptions, progress: Any = print) -> ReleaseRecord:
         finished_at=iso_time(time.time()),
         host=socket.gethostname(),
         declared_context_tokens=opts.max_context,
-        engines=[engine_row(s, m) for s, m in measured],
-        limits=engines.limits,
-        safe_max_context_tokens=safe_ctx,
+        safe_max_context_tokens=max(safe) if safe else None,
         checks=checks,
         deferred_cancellations=deferred,
         accept_drain_timeouts=opts.accept_drain_timeouts,
         isolation=isolation,
-        passed=not failed and bool(ok_m),
-        failed_checks=failed or ([] if ok_m else ["no engine measured"]),
-        posture=posture,
+        **layout.record(results, failed),
     )
+
+
+async def _isolation(
+    opts: GateOptions, top: ClusterResult, model: str, checks: list[Check], progress: Any
+) -> dict[str, Any] | None:
+    """One isolation run through the proxy at the model's limit; the ground truth and the
+    engine it measures prompts with are the cluster's that offers it (the only one a prompt
+    at that limit may reach). Its checks go into `checks`."""
+    if opts.proxy is None:
+        checks.append(Check("isolation", False, "--canary needs --proxy (the target)"))
+        return None
+    gate = top.target.gate
+    report = await run_isolation(
+        CanaryOptions(
+            target=opts.proxy,
+            sim=gate.sim,
+            engine=next((e.url.rstrip("/") for e in gate.engines if e.role != "decode"), None),
+            proxy_admin=opts.proxy_admin,
+            limit=top.engines.admission_limit_tokens,
+            model=model,
+            probe_kind=opts.probe_kind,
+            allow_partial=opts.canary_allow_partial,
+            rounds=opts.canary_rounds,
+            prompt_chars=opts.canary_prompt_chars,
+            progress=progress,
+        )
+    )
+    checks.extend(isolation_checks(report))
+    progress(summary(report))
+    return report.to_json()
+
+
+async def _deferred_after(
+    opts: GateOptions, deferred: dict[str, Any], checks: list[Check]
+) -> dict[str, Any]:
+    """The deferral counts read again at the end: the isolation scenarios (cancel) defer
+    cancellations of their own, and a drain they caused that ended by timeout must fail
+    the gate too. Its verdict goes into `checks`."""
+    async with aiohttp.ClientSession() as http:
+        after = await deferred_counts(http, opts.proxy_admin or "", opts.limit_model)
+    if after is None:
+        checks.append(Check("proxy metrics", False, "admin /metrics unreachable at the end"))
+    else:
+        deferred = after
+    verdict = deferred_verdict(deferred, opts.accept_drain_timeouts)
+    checks.append(Check(CHECK_NAME, verdict.passed, verdict.detail, deferred))
+    return deferred
