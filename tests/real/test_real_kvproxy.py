@@ -54,7 +54,7 @@ FAST_CANARY = ("--rounds", "1", "--prompt-chars", "300")
 # The test router's hold between its legs (pd_test_router.py, POST /test/hold-decode): on a CPU
 # the NIXL pull takes ~0.2 ms, so the window a client can leave in is opened on purpose. Long
 # enough that the test sees prefill finish and leaves inside it on a loaded machine.
-TRANSFER_HOLD_S = 15.0
+TRANSFER_HOLD_S = 10.0
 
 
 def pool_of(m: Metrics) -> int:
