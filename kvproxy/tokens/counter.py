@@ -105,7 +105,7 @@ class _Plan:
     # Whether `count(texts) + fixed` is the engine's exact number.
     exact: bool
     # The render came from a proven frame (tokens.frames), not from jinja: used to admit on
-    # the bound only; a decision near the limit renders plainly (`_count`).
+    # the bound only; a decision near the limit renders plainly (`Climb.plain_render`).
     framed: bool = False
 
 
