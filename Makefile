@@ -182,10 +182,13 @@ dashboard: $(STAMP)
 
 # The reference tables made from the code: every setting (docs/configuration.md, from the
 # fields' docstrings) and every client error code (docs/errors.md, from
-# kvproxy/policy/errors.py). Rerun after adding a setting or an error code; the fast suite
-# fails while they are stale (tests/config/test_doctables.py runs it with --check).
+# kvproxy/policy/errors.py), and the counting ladder (docs/counting.md, from the rungs in
+# kvproxy/tokens/counter.py). Rerun after adding a setting, an error code or a rung; the fast
+# suite fails while they are stale (tests/config/test_doctables.py and
+# tests/tokens/test_tokens_ladder.py run them with --check).
 docs: $(STAMP)
 	$(PY) -m kvproxy.config.doctables
+	$(PY) -m kvproxy.tokens
 
 # The bench extra (matplotlib, for bench/long_prompts.png) only where a bench runs.
 BENCH_STAMP := $(VENV)/.installed-bench-$(PYPROJECT_SUM)

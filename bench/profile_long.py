@@ -9,10 +9,10 @@ same text twice), times each step the proxy takes when the limit sits right at t
 count (so the count must be whole):
 
   parse      parse_request (orjson + the message walk)
-  walk       the guaranteed bound's walk over every field (`TokenCounter._guaranteed`)
-  guarantee  what the counter does of it near the limit (`TokenCounter._judged`)
+  walk       the guaranteed bound's walk over every field (`TokenCounter._guaranteed_bound`)
+  guarantee  what the counter does of it near the limit (`TokenCounter._verdict`)
   frame      the plan from the proven frame (tokens.frames), no jinja
-  render     the plain jinja render that an exact decision rests on (`_unframed`)
+  render     the plain jinja render that an exact decision rests on (`_rendered_plainly`)
   count      the exact count of that render (`_exact_local`)
   decide     the whole `parse_request` + `TokenCounter.count`, as the handler calls it
 
@@ -75,16 +75,16 @@ async def run(kib: int, repeat: int, model: str) -> dict[str, object]:
             shape = parse_request("chat", body)
             got["parse"] = _cpu() - t
             t = _cpu()
-            walked = counter._guaranteed(shape, 0)
+            walked = counter._guaranteed_bound(shape, 0)
             got["walk"] = _cpu() - t
             t = _cpu()
-            judged = counter._judged(shape, 0)
+            judged = counter._verdict(shape, 0)
             got["guarantee"] = _cpu() - t
             t = _cpu()
             plans = counter._plan(shape)
             got["frame"] = _cpu() - t
             t = _cpu()
-            plans = counter._unframed(plans)
+            plans = counter._rendered_plainly(plans)
             got["render"] = _cpu() - t
             counter.early_stop = False  # the whole count: what the limit is set to
             t = _cpu()

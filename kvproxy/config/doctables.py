@@ -292,17 +292,23 @@ def stale_tables(tables: tuple[Table, ...] = TABLES) -> Iterator[str]:
             yield f"{table.path.relative_to(REPO)}: the {table.name} table is stale (make docs)"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvproxy.config.doctables", description=__doc__)
+def main(
+    argv: list[str] | None = None,
+    tables: tuple[Table, ...] = TABLES,
+    prog: str = "python -m kvproxy.config.doctables",
+    description: str | None = __doc__,
+) -> int:
+    """`make docs` for `tables` (a higher layer passes its own: `python -m kvproxy.tokens`)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
     args = p.parse_args(argv)
     try:
         if args.check:
-            stale = list(stale_tables())
+            stale = list(stale_tables(tables))
             for line in stale:
                 print(line, file=sys.stderr)
             return 1 if stale else 0
-        for table in TABLES:
+        for table in tables:
             text = table.path.read_text(encoding="utf-8")
             new = rendered(text, table)
             if new != text:

@@ -3,9 +3,12 @@
 For each sequence of a `PromptShape` the counter builds a plan: what the engine will
 tokenize (the rendered chat template, or the raw strings), a guaranteed upper bound on its
 tokens, and the fixed costs (token ids, configured image/audio costs, special tokens, the
-measured template overhead when no template is known). Then:
+measured template overhead when no template is known). The decision is a ladder of rungs,
+declared once in `LADDER` at the end of this module (and rendered into docs/counting.md),
+each a method of `Climb` (one request on its way): quick guarantee, walked guarantee,
+replica bound, verified gate, plain render, exact count. In short:
 
-  1. bound <= admit_at_most (and the tokenizer family has a guaranteed bound): admit on the
+  1. a guaranteed bound <= admit_at_most (and the tokenizer family has one): admit on the
      bound; nothing is tokenized. A plain chat's render comes from its shape's proven frame
      (`tokens.frames`: the same string, with no jinja render), so a small chat far below
      the limit costs a dict walk; when that bound does not admit, the template is rendered
@@ -31,8 +34,9 @@ the engine at once; a timed-out thread keeps its slot until it really ends, so a
 work cannot pile up behind the timeout.
 
 The event loop only sees small requests (< INLINE_CHARS characters, few messages), which are
-planned inline in well under a millisecond; everything else runs in the worker threads,
-in window-sized C calls (see `bounds`). This module never logs prompt text.
+planned inline in well under a millisecond; a large request's rungs run in the worker
+threads, consecutive ones in one hop (`tokens.ladder`), in window-sized C calls (`bounds`).
+This module never logs prompt text.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import dataclasses
 import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvproxy.policy import CHAT_ROUTES, CountMethod, KvproxyError, TokenCount, errors, record
@@ -57,13 +61,14 @@ from kvproxy.prompt import (
     SequencePrompt,
     request_template,
 )
-from kvproxy.tokens import bounds
+from kvproxy.tokens import bounds, ladder
 from kvproxy.tokens.bounds import BoundRule
 from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
 from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest, client_chat_fields
 from kvproxy.tokens.features import INERT_KEYS, request_features
 from kvproxy.tokens.frames import frames_for
 from kvproxy.tokens.guarantee import ChatGuarantee, text_tokens
+from kvproxy.tokens.ladder import Rung
 from kvproxy.tokens.local import EarlyStopping, LocalTokenizer, Partial
 from kvproxy.tokens.templates import ChatTemplate
 from kvproxy.tokens.verified import Method, Verifier
@@ -100,13 +105,13 @@ class _Plan:
     # Whether `count(texts) + fixed` is the engine's exact number.
     exact: bool
     # The render came from a proven frame (tokens.frames), not from jinja: used to admit on
-    # the bound only; a decision near the limit renders plainly (`_count`).
+    # the bound only; a decision near the limit renders plainly (`Climb.plain_render`).
     framed: bool = False
 
 
 @record
-class _Judged:
-    """What the guarantee says of one request (TokenCounter._judged)."""
+class _Verdict:
+    """What the guarantee says of one request (TokenCounter._verdict)."""
 
     bound: int | None  # the guaranteed bound in tokens; None when none can be given
     unverified: tuple[str, ...]  # features the exact count may not admit
@@ -202,8 +207,13 @@ class TokenCounter:
     async def count(
         self, shape: PromptShape, admit_at_most: int, total_at_most: int | None = None
     ) -> TokenCount:
-        """Count `shape`'s sequences, tokenizing only if the largest bound is over
-        `admit_at_most` or the bounds' sum over `total_at_most` (the budget's room).
+        """`decide` with the limits spelled out (what the proxy calls)."""
+        return await self.decide(shape, Limits(admit_at_most, total_at_most))
+
+    async def decide(self, shape: PromptShape, limits: Limits) -> TokenCount:
+        """Decide `shape` against `limits` by climbing LADDER until a rung decides:
+        tokenizing only if the largest bound is over `admit_at_most` or the bounds' sum over
+        `total_at_most` (the budget's room).
 
         Raises `invalid_request` (the chat template refuses the messages) or
         `count_unavailable` (timeout, tokenizer or engine failure).
@@ -217,98 +227,30 @@ class TokenCounter:
                 shape, media_tokens=self.media.cost(shape.body, shape.route)
             )
         if own_template:
-            return await self._count_own_template(shape, admit_at_most)
-        admitted = self._admitted_quick(shape, admit_at_most, total_at_most)
-        if admitted is not None:
-            return admitted
-        return await self._count_any(shape, admit_at_most, total_at_most)
+            return await self._count_own_template(shape, limits.admit_at_most)
+        return await self.climb(Climb(self, shape, limits))
 
-    def _admitted_quick(
-        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
-    ) -> TokenCount | None:
-        """The common case in a few steps: a small chat-like request its O(1) guarantee
-        admits. What `_count_any` returns for it (its guarded branch: `_judged`, then
-        `_on_guarantee`), without the walk's and the features' set-up; None whenever the
-        guarantee does not admit, and `_count_any` decides.
-        tests/tokens/test_tokens_counter.py holds the two to the same answers.
-
-        Sized by the body's bytes, not the shape's characters (summing those was a sixth of
-        this): a string has no more characters than its JSON bytes. The answer does not
-        depend on the size: `_count_any` runs the same O(1) bound for a shape it calls
-        large (over INLINE_CHARS characters or INLINE_MESSAGES messages), only in a worker;
-        here it runs on the loop for bodies of at most INLINE_CHARS bytes, a few C scans
-        whatever their message count. `_judged`'s skip (strings longer than the limit)
-        never applies to a bound that admits: the bound charges at least a token per byte."""
-        g = self._guarantee
-        raw = shape.raw
-        size = len(raw)
-        if (
-            not self._trust_bound
-            or type(g) is not ChatGuarantee
-            or shape.route not in CHAT_ROUTES
-            or not size
-            or size > INLINE_CHARS
-        ):
-            return None
-        bound = g.quick(raw, shape.body, shape.route)
-        if (
-            bound is None
-            or bound > admit_at_most
-            or (total_at_most is not None and bound > total_at_most)
-        ):
-            return None
-        # TokenCount(tokens, method, exact, total_tokens, bound), positionally: this runs for
-        # most requests, and matching keywords costs more than the rest of building it.
-        return TokenCount(bound, "bound", False, bound, bound)
-
-    async def _count_any(
-        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
+    async def climb(
+        self, attempt: Climb, rungs: Sequence[Rung[Climb, TokenCount]] | None = None
     ) -> TokenCount:
-        """`count` for every shape (`_admitted_quick` is its shortcut)."""
-        small = _small(shape)
+        """Run `rungs` (LADDER) for `attempt` (tokens.ladder: worker stretches in one hop).
+
+        The leading loop rungs run outside the timeout: when one decides, nothing was
+        awaited for a timeout to bound (entering one costs ~4 us per request)."""
+        rungs = LADDER if rungs is None else rungs
+        inline, start = ladder.inline(rungs, attempt)
+        if inline is not None:
+            return inline
         try:
-            guarded = self._guarded(shape)
-            if guarded and small:
-                # The guaranteed bound first: most requests are decided here, inline.
-                decided = self._on_guarantee(
-                    shape, self._judged(shape, admit_at_most), admit_at_most, total_at_most
-                )
-                if decided is not None:
-                    return decided
-            plans = None
-            if small and not guarded:
-                # Planned inline; when the bound decides, nothing was awaited and there is
-                # nothing for a timeout to bound (entering one costs ~4 us per request).
-                plans = self._plan(shape)
-                decided = self._on_bound(plans, admit_at_most, total_at_most)
-                if decided is None:
-                    decided = self._gated(shape, plans)
-                if decided is not None:
-                    return decided
             async with asyncio.timeout(self._timeout_s):
-                if guarded and not small and self._local is not None:
-                    # The whole decision in one worker call (bound, features, render, count):
-                    # each thread hop costs the loop a wake-up and this request ~0.1 ms.
-                    return await self._offload(
-                        self._decide_local, shape, admit_at_most, total_at_most
-                    )
-                if guarded and not small:
-                    # Off the loop: the walk and the features read every field.
-                    judged = await self._offload(self._judged, shape, admit_at_most)
-                    decided = self._on_guarantee(shape, judged, admit_at_most, total_at_most)
-                    if decided is not None:
-                        return decided
-                if guarded and small:
-                    # Verified features: the replica's render decides from here.
-                    plans = self._plan(shape)
-                    decided = self._on_bound(plans, admit_at_most, total_at_most)
-                    if decided is not None:
-                        return decided
-                return await self._count(shape, admit_at_most, total_at_most, plans)
+                decided = await ladder.climb(rungs[start:], attempt, self._offload)
         except TimeoutError:
             raise errors.count_unavailable(f"over {self._timeout_s:g} s") from None
         except _WorkerFailed as exc:
             raise errors.count_unavailable(f"tokenizer failed: {exc}") from None
+        # The ladder's last rungs always decide (`bytes` at the replica bound).
+        assert decided is not None, "no rung decided"
+        return decided
 
     # --- a request's own chat template (prompt.fields, trust_request_chat_template) ---------
 
@@ -357,9 +299,9 @@ class TokenCounter:
             verified_for="the request's own chat template",
         )
 
-    # --- the guaranteed bound (tokens.guarantee) ---------------------------------------------
+    # --- what the rungs ask of the counter ----------------------------------------------------
 
-    def _guarded(self, shape: PromptShape) -> bool:
+    def _guarantee_first(self, shape: PromptShape) -> bool:
         """Whether this request is decided by the guarantee before any replica render: every
         chat-like request when a template is configured, and a prompt-only request with a
         field kvproxy's parser does not model (its text may be prompt text too)."""
@@ -367,7 +309,7 @@ class TokenCounter:
             return self._template is not None
         return bool(unmodeled_keys(shape))
 
-    def _guaranteed(self, shape: PromptShape, admit_at_most: int) -> int | None:
+    def _guaranteed_bound(self, shape: PromptShape, admit_at_most: int) -> int | None:
         """The guaranteed bound in tokens (None: none can be given): the O(1) bound when it
         already admits, else the walk over every field."""
         media = shape.media_tokens
@@ -388,7 +330,7 @@ class TokenCounter:
                 return quick
         return g.tokens(shape.body, shape.route, media)
 
-    def _judged(self, shape: PromptShape, admit_at_most: int) -> _Judged:
+    def _verdict(self, shape: PromptShape, admit_at_most: int) -> _Verdict:
         """The guaranteed bound, and (unless it admits) the features the exact count is not
         verified for: both read every field, so large requests get them in a worker.
 
@@ -396,9 +338,9 @@ class TokenCounter:
         features are verified: the bound could not admit it, and the exact count decides
         (the walk over a 400 KB non-ASCII message costs ~15x its count)."""
         skip = self._walk_cannot_admit(shape, admit_at_most)
-        g = None if skip else self._guaranteed(shape, admit_at_most)
+        g = None if skip else self._guaranteed_bound(shape, admit_at_most)
         if g is not None and g <= admit_at_most and self._trust_bound:
-            return _Judged(g, (), "")
+            return _Verdict(g, (), "")
         unverified: tuple[str, ...] = ()
         where = ""
         if self.verifier is not None:
@@ -410,8 +352,8 @@ class TokenCounter:
             unverified = (*unverified, "unknown:body")
         if skip and unverified:
             # The bound decides this one after all: it must be the walk's.
-            g = self._guaranteed(shape, admit_at_most)
-        return _Judged(g, unverified, where)
+            g = self._guaranteed_bound(shape, admit_at_most)
+        return _Verdict(g, unverified, where)
 
     def _walk_cannot_admit(self, shape: PromptShape, admit_at_most: int) -> bool:
         """Whether the guaranteed bound surely exceeds `admit_at_most`, known in O(1): a
@@ -426,47 +368,10 @@ class TokenCounter:
             and max((p.text_chars for p in shape.prompts), default=0) > admit_at_most
         )
 
-    def _on_guarantee(
-        self, shape: PromptShape, judged: _Judged, admit_at_most: int, total_at_most: int | None
-    ) -> TokenCount | None:
-        """Admit on the guarantee when it fits; decide on it alone when the request uses a
-        feature the exact count is not verified for; else None: the replica's count decides
-        (tokens.verified)."""
-        g = judged.bound
-        fits = (
-            g is not None and g <= admit_at_most and (total_at_most is None or g <= total_at_most)
-        )
-        if g is not None and fits and self._trust_bound:
-            return TokenCount(g, "bound", exact=False, total_tokens=g, bound=g)
-        if not judged.unverified:
-            return None
-        if g is None:
-            reason = self._guarantee
-            because = (
-                f"its chat template could not be proven ({reason})"
-                if isinstance(reason, str)
-                else None
-            )
-            raise errors.unverified_unbounded(
-                list(judged.unverified),
-                judged.where or "these engines",
-                shape.prompt_param,
-                because=because,
-            )
-        return TokenCount(
-            g,
-            "bound",
-            exact=False,
-            total_tokens=g,
-            bound=g,
-            unverified=judged.unverified,
-            verified_for=judged.where,
-        )
-
-    def _on_bound(
+    def _bound_decision(
         self, plans: list[_Plan], admit_at_most: int, total_at_most: int | None
     ) -> TokenCount | None:
-        """The decision on the bounds alone, or None: an exact count is needed."""
+        """The decision on the plans' bounds alone, or None: an exact count is needed."""
         if len(plans) == 1:  # the common case, without two generators
             bound = total = plans[0].bound
         else:
@@ -486,92 +391,17 @@ class TokenCounter:
             return "engine"
         return "replica"
 
-    def _gated(self, shape: PromptShape, plans: list[_Plan]) -> TokenCount | None:
-        """The bound's decision when the request uses a feature outside the verified table
-        (the exact count may not admit it), else None: count exactly."""
-        verifier = self.verifier
-        if verifier is None or self.method == "bound":
-            return None
-        unverified = verifier.unverified(
-            request_features(shape.route, shape.body), self._count_method(shape)
-        )
-        if not unverified:
-            return None
-        where = verifier.describe()
-        if not self._trust_bound:
-            raise errors.unverified_unbounded(unverified, where, shape.prompt_param)
-        bound = max(p.bound for p in plans)
-        total = sum(p.bound for p in plans)
-        return TokenCount(
-            bound,
-            "bound",
-            exact=False,
-            total_tokens=total,
-            bound=bound,
-            unverified=tuple(unverified),
-            verified_for=where,
-        )
-
-    def _unframed(self, plans: list[_Plan]) -> list[_Plan]:
-        # Near the limit: the decision rests on the template's own render.
-        # Their frames' bounds did not admit: the renders' own need not be scanned again.
-        # A chat plan's fixed part is its media cost.
+    def _rendered_plainly(self, plans: list[_Plan]) -> list[_Plan]:
+        """The plans with each frame's render replaced by the template's own: near the limit
+        the decision rests on it. Their frames' bounds did not admit, so the renders' own
+        need not be scanned again (`loose`); a chat plan's fixed part is its media cost."""
         return [
             self._plan_chat(p.seq, framed=False, loose=True, media=p.fixed) if p.framed else p
             for p in plans
         ]
 
-    async def _count(
-        self,
-        shape: PromptShape,
-        admit_at_most: int,
-        total_at_most: int | None,
-        plans: list[_Plan] | None,
-    ) -> TokenCount:
-        if plans is None:  # a large shape: planned (and rendered) off the loop
-            # A bound that cannot admit needs no frame: render plainly at once.
-            framed = not self._walk_cannot_admit(shape, admit_at_most)
-            plans = await self._offload(self._plan, shape, framed, not framed)
-            decided = self._on_bound(plans, admit_at_most, total_at_most)
-            if decided is None:
-                # On the loop: reading features is bounded work (tokens.features caps the
-                # strings it parses and the values it walks); a thread hop here measurably
-                # stalled the loop more than the read itself.
-                decided = self._gated(shape, plans)
-            if decided is not None:
-                return decided
-            if any(p.framed for p in plans):
-                plans = await self._offload(self._unframed, plans)
-        elif any(p.framed for p in plans):
-            plans = self._unframed(plans)
-        if self._local is not None:
-            counted = await self._offload(self._exact_local, plans, admit_at_most)
-        else:
-            counts = await asyncio.gather(*(self._exact_engine(p, shape) for p in plans))
-            counted = [Partial(n, "exact" if e else "upper") for n, e in counts]
-        return self._counted(plans, counted)
-
-    def _decide_local(
-        self, shape: PromptShape, admit_at_most: int, total_at_most: int | None
-    ) -> TokenCount:
-        """A large guarded request with a local tokenizer, decided in a worker: `count`'s
-        guarded path and `_count`'s, without a thread hop between them."""
-        judged = self._judged(shape, admit_at_most)
-        decided = self._on_guarantee(shape, judged, admit_at_most, total_at_most)
-        if decided is not None:
-            return decided
-        # The guarantee left it to the replica: its features are verified (else the
-        # guarantee decided above), so `_gated` has nothing to withhold.
-        framed = not self._walk_cannot_admit(shape, admit_at_most)
-        plans = self._plan(shape, framed, not framed)
-        decided = self._on_bound(plans, admit_at_most, total_at_most)
-        if decided is not None:
-            return decided
-        if any(p.framed for p in plans):
-            plans = self._unframed(plans)
-        return self._counted(plans, self._exact_local(plans, admit_at_most))
-
-    def _counted(self, plans: list[_Plan], counted: list[Partial]) -> TokenCount:
+    def _exact_decision(self, plans: list[_Plan], counted: list[Partial]) -> TokenCount:
+        """The decision on the exact counts of `plans`' sequences (local or the engine's)."""
         bound = max(p.bound for p in plans)
         over = [c.tokens for c in counted if c.kind == "lower"]
         if over:
@@ -597,7 +427,7 @@ class TokenCounter:
         await self._sem.acquire()
         loop = asyncio.get_running_loop()
         try:
-            cfut = self._executor.submit(_guarded, fn, *args)
+            cfut = self._executor.submit(_in_worker, fn, *args)
         except BaseException:
             self._sem.release()
             raise
@@ -827,7 +657,8 @@ def _unseen_bytes(seq: SequencePrompt) -> int:
     return extra
 
 
-def _guarded(fn: Callable[..., T], *args: Any) -> T:
+def _in_worker(fn: Callable[..., T], *args: Any) -> T:
+    """`fn` in a worker: a tokenizer's failure becomes a _WorkerFailed naming its type."""
     try:
         return fn(*args)
     except KvproxyError:
@@ -863,3 +694,241 @@ def _largest(parts: list[Partial]) -> Partial:
         return max(over, key=lambda q: q.tokens)
     exact = all(q.kind == "exact" for q in parts)
     return Partial(max(q.tokens for q in parts), "exact" if exact else "upper")
+
+
+# --- the ladder ---------------------------------------------------------------------------
+
+
+@record
+class Limits:
+    """What a count is decided against: the largest sequence's ceiling, and the room for
+    the request's sequences together (the budget's; None: no such bound)."""
+
+    admit_at_most: int
+    total_at_most: int | None = None
+
+
+class Climb:
+    """One request on the ladder: the counter deciding it, the request and its limits, and
+    what the rungs learn on the way (the plans). Each rung is a method, testable alone;
+    LADDER says in which order they run, when each applies and where."""
+
+    __slots__ = (
+        "admit_at_most",
+        "counter",
+        "guarantee_first",
+        "plans",
+        "shape",
+        "small",
+        "total_at_most",
+    )
+
+    def __init__(self, counter: TokenCounter, shape: PromptShape, limits: Limits) -> None:
+        self.counter = counter
+        self.shape = shape
+        self.admit_at_most = limits.admit_at_most
+        self.total_at_most = limits.total_at_most
+        # Planned on the loop: few characters and few messages (INLINE_CHARS, INLINE_MESSAGES).
+        self.small = _small(shape)
+        self.guarantee_first = counter._guarantee_first(shape)
+        # Each sequence's plan, once the replica bound has made them.
+        self.plans: list[_Plan] = []
+
+    # --- when each rung applies (known before the climb: config and size only) -------------
+
+    def quick_applies(self) -> bool:
+        """Sized by the body's bytes, not the shape's characters (summing those was a sixth
+        of the quick rung): a string has no more characters than its JSON bytes."""
+        c = self.counter
+        return (
+            c._trust_bound
+            and type(c._guarantee) is ChatGuarantee
+            and self.shape.route in CHAT_ROUTES
+            and 0 < len(self.shape.raw) <= INLINE_CHARS
+        )
+
+    def gate_applies(self) -> bool:
+        # A request the guarantee saw first had its unverified features withheld there.
+        c = self.counter
+        return not self.guarantee_first and c.verifier is not None and c.method != "bound"
+
+    def render_applies(self) -> bool:
+        return self.counter._frames is not None and self.shape.route in CHAT_ROUTES
+
+    # --- the rungs ---------------------------------------------------------------------------
+
+    def quick_guarantee(self) -> TokenCount | None:
+        """The common case: a small chat its O(1) guarantee admits. The walked guarantee
+        would answer the same (tests/tokens/test_tokens_counter.py holds the two to it) and
+        runs the same O(1) bound first; here it needs none of the walk's set-up."""
+        g = self.counter._guarantee
+        assert isinstance(g, ChatGuarantee)
+        shape = self.shape
+        bound = g.quick(shape.raw, shape.body, shape.route)
+        total = self.total_at_most
+        if bound is None or bound > self.admit_at_most or (total is not None and bound > total):
+            return None
+        # TokenCount(tokens, method, exact, total_tokens, bound), positionally: this runs for
+        # most requests, and matching keywords costs more than the rest of building it.
+        return TokenCount(bound, "bound", False, bound, bound)
+
+    def walked_guarantee(self) -> TokenCount | None:
+        """Admit on the guarantee when it fits; decide on it alone when the request uses a
+        feature the exact count is not verified for; else None: the replica decides."""
+        c, shape = self.counter, self.shape
+        verdict = c._verdict(shape, self.admit_at_most)
+        g = verdict.bound
+        total = self.total_at_most
+        fits = g is not None and g <= self.admit_at_most and (total is None or g <= total)
+        if g is not None and fits and c._trust_bound:
+            return TokenCount(g, "bound", exact=False, total_tokens=g, bound=g)
+        if not verdict.unverified:
+            return None
+        if g is None:
+            reason = c._guarantee
+            because = (
+                f"its chat template could not be proven ({reason})"
+                if isinstance(reason, str)
+                else None
+            )
+            raise errors.unverified_unbounded(
+                list(verdict.unverified),
+                verdict.where or "these engines",
+                shape.prompt_param,
+                because=because,
+            )
+        return TokenCount(
+            g,
+            "bound",
+            exact=False,
+            total_tokens=g,
+            bound=g,
+            unverified=verdict.unverified,
+            verified_for=verdict.where,
+        )
+
+    def replica_bound(self) -> TokenCount | None:
+        """Plan each sequence (what the engine will tokenize, and its bound) and decide on
+        the bounds when they admit, or when no exact method is configured."""
+        c = self.counter
+        # A large request whose bound cannot admit needs no frame: it is rendered plainly at
+        # once, and bounded in O(1) (`loose`).
+        framed = self.small or not c._walk_cannot_admit(self.shape, self.admit_at_most)
+        self.plans = c._plan(self.shape, framed, not framed)
+        return c._bound_decision(self.plans, self.admit_at_most, self.total_at_most)
+
+    def verified_gate(self) -> TokenCount | None:
+        """The bound's decision when the request uses a feature outside the verified table
+        (the exact count may not admit it), else None: count exactly. On the loop even for
+        a large request: reading features is bounded work (tokens.features caps the strings
+        it parses and the values it walks), and a thread hop measurably stalled the loop
+        more than the read itself."""
+        c, shape, plans = self.counter, self.shape, self.plans
+        verifier = c.verifier
+        assert verifier is not None
+        unverified = verifier.unverified(
+            request_features(shape.route, shape.body), c._count_method(shape)
+        )
+        if not unverified:
+            return None
+        where = verifier.describe()
+        if not c._trust_bound:
+            raise errors.unverified_unbounded(unverified, where, shape.prompt_param)
+        bound = max(p.bound for p in plans)
+        total = sum(p.bound for p in plans)
+        return TokenCount(
+            bound,
+            "bound",
+            exact=False,
+            total_tokens=total,
+            bound=bound,
+            unverified=tuple(unverified),
+            verified_for=where,
+        )
+
+    def plain_render(self) -> None:
+        """Decides nothing: near the limit the exact count rests on the template's own
+        render, not on a frame's."""
+        if any(p.framed for p in self.plans):
+            self.plans = self.counter._rendered_plainly(self.plans)
+
+    def exact_local(self) -> TokenCount:
+        c = self.counter
+        return c._exact_decision(self.plans, c._exact_local(self.plans, self.admit_at_most))
+
+    async def exact_engine(self) -> TokenCount:
+        c, shape = self.counter, self.shape
+        counts = await asyncio.gather(*(c._exact_engine(p, shape) for p in self.plans))
+        counted = [Partial(n, "exact" if e else "upper") for n, e in counts]
+        return c._exact_decision(self.plans, counted)
+
+
+def _always(_: Climb) -> bool:
+    return True
+
+
+LADDER: tuple[Rung[Climb, TokenCount], ...] = (
+    Rung(
+        "quick guarantee",
+        "admits on the O(1) guaranteed bound (a few C-speed scans of the raw body)",
+        "a chat-like body of at most `INLINE_CHARS` bytes, a proven chat template and a "
+        "tokenizer family with a guaranteed bound",
+        "loop",
+        Climb.quick_applies,
+        Climb.quick_guarantee,
+    ),
+    Rung(
+        "walked guarantee",
+        "admits on the guaranteed bound walked over every field; decides on it alone (or "
+        "refuses, when there is none) if a feature is outside the verified table",
+        "a chat-like request with a chat template configured, or a prompt-only request "
+        "with a field the parser does not model",
+        "loop if small",
+        lambda a: a.guarantee_first,
+        Climb.walked_guarantee,
+    ),
+    Rung(
+        "replica bound",
+        "admits on the bound of what the engine will tokenize: a plain chat's proven frame "
+        "(`tokens.frames`), else the template's render, else the raw strings; with no "
+        "exact method (`bytes`) it decides every request",
+        "every request",
+        "loop if small",
+        _always,
+        Climb.replica_bound,
+    ),
+    Rung(
+        "verified gate",
+        "decides on the replica bound alone if a feature is outside the verified table "
+        "(refuses when the tokenizer family has no guaranteed bound)",
+        "a request the guarantee did not see first, with a verified table and an exact method",
+        "loop",
+        Climb.gate_applies,
+        Climb.verified_gate,
+    ),
+    Rung(
+        "plain render",
+        "nothing: a frame's render is replaced by the template's own for the exact count",
+        "a chat, when the template has frames",
+        "loop if small",
+        Climb.render_applies,
+        Climb.plain_render,
+    ),
+    Rung(
+        "exact count, local",
+        "the exact count (fastokens, HF, tiktoken), stopped once the decision is known "
+        "(`at_least` over the limit, or an upper bound within it)",
+        "a local tokenizer (`hf:`, `tiktoken:`)",
+        "worker",
+        lambda a: a.counter._local is not None,
+        Climb.exact_local,
+    ),
+    Rung(
+        "exact count, engine",
+        "the engine's `/tokenize` count",
+        "`tokenizer: engine`",
+        "loop",
+        lambda a: a.counter._engine is not None,
+        Climb.exact_engine,
+    ),
+)

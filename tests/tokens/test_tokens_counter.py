@@ -19,7 +19,7 @@ from kvproxy.prompt import PromptShape
 from kvproxy.prompt.media import ImageProcessor, MediaPolicy
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.bounds import BoundRule
-from kvproxy.tokens.counter import UNKNOWN_SPECIAL_TOKENS, TokenCounter
+from kvproxy.tokens.counter import LADDER, UNKNOWN_SPECIAL_TOKENS, Climb, Limits, TokenCounter
 from kvproxy.tokens.guarantee import ChatGuarantee
 from kvproxy.tokens.templates import ChatTemplate
 
@@ -351,8 +351,8 @@ async def test_quick_admission_answers_what_the_general_path_answers(
     body: tuple[bytes, bool], rule: BoundRule | None, exact: bool
 ) -> None:
     """`count`'s shortcut for a small chat its O(1) guarantee admits returns exactly what
-    the general path (`_count_any`) returns, at every ceiling around the bound, and steps
-    aside (None) wherever the general path would do anything else."""
+    the rest of the ladder (the walked guarantee on) returns, at every ceiling around the
+    bound, and steps aside (None) wherever the general path would do anything else."""
     tok = FakeTokenizer(bound_rule=rule, template=ChatTemplate(SIMPLE_TEMPLATE))
     media = MediaPolicy(ImageProcessor())  # the image body is priced, not refused
     c = (
@@ -374,8 +374,11 @@ async def test_quick_admission_answers_what_the_general_path_answers(
     try:
         for admit in sorted(ceilings):
             for total in (None, admit, max(admit - 1, 0)):
-                short = c._admitted_quick(shape, admit, total)
-                general = await c._count_any(shape, admit, total)
+                limits = Limits(admit, total)
+                alone = Climb(c, shape, limits)
+                short = alone.quick_guarantee() if alone.quick_applies() else None
+                # The ladder without its first rung: the walked guarantee on.
+                general = await c.climb(Climb(c, shape, limits), LADDER[1:])
                 if short is not None:
                     shortcuts += 1
                     assert short == general
