@@ -16,7 +16,7 @@ from tokenizer_files import cache_root
 
 from oracles.models import REPRESENTATIVES, template_models
 from oracles.report import REPORT
-from oracles.run import Result, run
+from oracles.run import Result, run, run_in_processes
 
 # Fuzz examples per class and model: fast (9 models, in `make test`) and slow.
 FAST_EXAMPLES = int(os.environ.get("KVPROXY_ORACLE_FAST_EXAMPLES", "4"))
@@ -61,8 +61,16 @@ def fast_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Result
 @pytest.fixture(scope="session")
 def slow_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Result:
     def build() -> Result:
-        models = tuple(template_models())
-        return run(models, SLOW_EXAMPLES, derandomize=True, suite="slow", every_model=True)
+        # Every shipped template, one model at a time, was `make test-slow`'s longest serial
+        # step: spread over the machine's cores (models share nothing; merged in order).
+        return run_in_processes(
+            tuple(template_models()),
+            SLOW_EXAMPLES,
+            derandomize=True,
+            suite="slow",
+            every_model=True,
+            workers=os.cpu_count() or 1,
+        )
 
     return _once_per_run("slow", build, tmp_path_factory, worker_id)
 

@@ -5,12 +5,18 @@ class runs on it, then it is released. The corpus and fuzz tests read the result
     result = run(models, fuzz_examples=6, derandomize=True)
     result.corpus[(case, engine)] -> [(model, Outcome)]
     result.fuzz[klass] -> [Violation], result.fuzz_checked[klass] -> count
+
+`run_in_processes` is the same pass with the models spread over worker processes (the slow
+pass over every shipped template is CPU-bound, one model after another; models share nothing),
+merged in model order, so its result equals `run`'s.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, Phase, given, settings
@@ -20,7 +26,7 @@ from oracles import corpus, fuzz
 from oracles.check import KVPROXY_ENGINE, Outcome, check
 from oracles.kvproxy_side import KvproxySide, config_key
 from oracles.models import REPRESENTATIVES, Model, load_model
-from oracles.report import REPORT
+from oracles.report import REPORT, Tally
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,49 @@ def run(
             side.close()
     result.seconds = time.monotonic() - t0
     return result
+
+
+def _one_model(
+    name: str, fuzz_examples: int, derandomize: bool, suite: str, every_model: bool
+) -> tuple[Result, dict[tuple[str, str, str], Tally]]:
+    """In a worker process: one model's pass and its report tallies (only this model's)."""
+    REPORT.tallies = {}
+    result = run(
+        (name,), fuzz_examples, derandomize=derandomize, suite=suite, every_model=every_model
+    )
+    return result, REPORT.tallies
+
+
+def run_in_processes(
+    models: tuple[str, ...],
+    fuzz_examples: int,
+    *,
+    derandomize: bool,
+    suite: str,
+    every_model: bool = False,
+    workers: int,
+) -> Result:
+    """`run`, with the models spread over `workers` processes (spawned: the parent holds
+    tokenizer threads), merged in model order into one Result and the parent's REPORT."""
+    t0 = time.monotonic()
+    merged = Result()
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
+        futures = [
+            pool.submit(_one_model, name, fuzz_examples, derandomize, suite, every_model)
+            for name in models
+        ]
+        for future in futures:  # model order: the lists read as `run`'s would
+            one, tallies = future.result()
+            for key, outcomes in one.corpus.items():
+                merged.corpus.setdefault(key, []).extend(outcomes)
+            for klass, violations in one.fuzz.items():
+                merged.fuzz[klass].extend(violations)
+            for klass, n in one.fuzz_checked.items():
+                merged.fuzz_checked[klass] += n
+            REPORT.tallies.update(tallies)
+    merged.seconds = time.monotonic() - t0
+    return merged
 
 
 class _Sides:
