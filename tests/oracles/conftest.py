@@ -16,7 +16,7 @@ from tokenizer_files import cache_root
 
 from oracles.models import REPRESENTATIVES, template_models
 from oracles.report import REPORT
-from oracles.run import Result, run, run_in_processes
+from oracles.run import Result, run_in_processes
 
 # Fuzz examples per class and model: fast (9 models, in `make test`) and slow.
 FAST_EXAMPLES = int(os.environ.get("KVPROXY_ORACLE_FAST_EXAMPLES", "4"))
@@ -53,7 +53,15 @@ def _once_per_run(
 @pytest.fixture(scope="session")
 def fast_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Result:
     def build() -> Result:
-        return run(REPRESENTATIVES, FAST_EXAMPLES, derandomize=True, suite="fast")
+        # In worker processes: under xdist the other workers wait for this pass (the lock
+        # below), so its models may take the cores they leave (157 s on one core in CI).
+        return run_in_processes(
+            REPRESENTATIVES,
+            FAST_EXAMPLES,
+            derandomize=True,
+            suite="fast",
+            workers=os.cpu_count() or 1,
+        )
 
     return _once_per_run("fast", build, tmp_path_factory, worker_id)
 
