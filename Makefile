@@ -135,8 +135,9 @@ test: $(STAMP) sysdeps $(SGLANG_PROTOCOL)
 	  --cov=kvproxy --cov-append --cov-report=term
 
 # The slow suite (soak, the real routers, real Prometheus end to end, the built image): the
-# per-model sweeps (340 of its 632 tests, CPU-bound, judged on counts) on every core first,
-# then the rest one test at a time: it holds the timing-sensitive end-to-end cases.
+# sweeps (587 of its 632 tests: every template and tokenizer against transformers and the
+# oracles; CPU-bound, judged on counts) on every core first, then the rest (45) one test at a
+# time: it holds the timing-sensitive end-to-end cases.
 test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
 	$(PYTEST) $(PYTEST_ARGS) -m "slow and sweep and not real" -n $(TEST_WORKERS) --dist worksteal
 	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow and not sweep and not real" --durations=15

@@ -71,6 +71,7 @@ def test_plain_chat_is_exact_and_admitted_at_exactly_the_limit(
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
 @pytest.mark.parametrize(("name", "engine"), _params(SLOW_UNDER_TODAY))
 def test_never_admitted_over_the_engine_count_on_every_template(

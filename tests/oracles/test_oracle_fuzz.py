@@ -52,6 +52,7 @@ def test_fuzzed_bodies_are_never_admitted_over_and_exact_is_exact(
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
 @pytest.mark.parametrize("klass", _params(FUZZ_SLOW_TODAY))
 def test_fuzzed_bodies_on_every_template(klass: str, slow_run: Result) -> None:

@@ -60,7 +60,7 @@ CONVERSATIONS = int(os.environ.get("KVPROXY_CHAT_DIFFERENTIAL_N", "1000"))
 FAST_CONVERSATIONS = min(200, CONVERSATIONS)
 SIZES = [
     pytest.param(FAST_CONVERSATIONS, id="fast"),
-    pytest.param(CONVERSATIONS, id="full", marks=pytest.mark.slow),
+    pytest.param(CONVERSATIONS, id="full", marks=sweep.SLOW_SWEEP),
 ]
 MODELS = sweep.every(template_models())
 pytestmark = pytest.mark.no_cover

@@ -259,7 +259,7 @@ async def _answering(upstream: FakeUpstream) -> None:
 SERVE_CASES = [
     pytest.param("reasoning/qwen-3", id="reasoning/qwen-3"),
     *(
-        pytest.param(case, id=case, marks=pytest.mark.slow)
+        pytest.param(case, id=case, marks=(pytest.mark.slow, pytest.mark.sweep))
         for case in (
             "thinking/minimax-m3",
             "bos_token/deepseek-v3",

@@ -222,6 +222,7 @@ def test_config_json_model_type_is_one_of_the_pipelines(
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("model", SHIPPED)
 def test_every_shipped_tokenizer_builds_and_counts_as_transformers_does(model: str) -> None:
     assert builds_what_transformers_builds(model) == []

@@ -142,6 +142,7 @@ def test_adversarial_inputs(
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("case", sorted(ADVERSARIAL_FULL))
 def test_adversarial_inputs_full_size(
