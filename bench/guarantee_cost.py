@@ -1,4 +1,4 @@
-"""CPU cost of the count decision for a small chat: the guaranteed bound (tokens.guarantee)
+"""CPU cost of the count decision for a small chat: the guaranteed bound (tokens.bound.guarantee)
 against the render-based plan it replaces on the hot path, in one process, same run.
 
 Run: `python bench/guarantee_cost.py [--model qwen-3] [--limit 32768] [--number 20000]`.
@@ -7,7 +7,7 @@ Both rows time `TokenCounter.count` on the bench's small chat (bench/payloads.py
 model's `hf:` tokenizer and chat template, a limit the request fits, from one counter:
   guarantee   as served: the O(1) guaranteed bound admits (no render, no walk);
   plan        the same counter with its guarantee removed: the pre-#30 path (the chat's
-              proven frame, tokens.frames, bounded by bounds.segments_bound);
+              proven frame, tokens.replica.frames, bounded by bounds.segments_bound);
 plus the walk alone (the per-field guarantee, what a small chat costs when its O(1) bound
 does not fit) and parse_request for scale. Prints microseconds per call (best of 5
 repeats). A benchmark, not a test: numbers depend on the machine; nothing asserts.
@@ -24,7 +24,7 @@ from pathlib import Path
 from kvproxy.config import Settings
 from kvproxy.prompt import parse_request
 from kvproxy.tokens import build_counter
-from kvproxy.tokens.guarantee import ChatGuarantee
+from kvproxy.tokens.bound import ChatGuarantee
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

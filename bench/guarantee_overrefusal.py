@@ -1,4 +1,4 @@
-"""How far above the engine's count the guaranteed bound (tokens.guarantee) lies, per shipped
+"""How far above the engine's count the guaranteed bound (tokens.bound.guarantee) lies, per shipped
 chat template: the over-refusal a request decided by the bound alone sees near the limit.
 
 Run: `python bench/guarantee_overrefusal.py [--models qwen-3,glm-4.7-flash]`.
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "token
 from chat_reference import load_reference, model_dir, template_models
 
 from kvproxy.prompt import parse_request
-from kvproxy.tokens.guarantee import ChatGuarantee
-from kvproxy.tokens.local import load_hf
+from kvproxy.tokens.bound import ChatGuarantee
+from kvproxy.tokens.exact import load_hf
 
 SENTENCE = "the quick brown fox jumps over the lazy dog while prefill and decode share a cache"
 WORDS = SENTENCE.split(" ")

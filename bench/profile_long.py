@@ -11,7 +11,7 @@ count (so the count must be whole):
   parse      parse_request (orjson + the message walk)
   walk       the guaranteed bound's walk over every field (`TokenCounter._guaranteed_bound`)
   guarantee  what the counter does of it near the limit (`TokenCounter._verdict`)
-  frame      the plan from the proven frame (tokens.frames), no jinja
+  frame      the plan from the proven frame (tokens.replica.frames), no jinja
   render     the plain jinja render that an exact decision rests on (`_rendered_plainly`)
   count      the exact count of that render (`_exact_local`)
   decide     the whole `parse_request` + `TokenCounter.count`, as the handler calls it

@@ -122,7 +122,7 @@ class EngineMeasurement:
     # engines whose reports carry none of it.
     posture: EnginePosture | None = None
     # The engine's own version string (SGLang `/server_info` `version`, vLLM `/version`):
-    # the verified-feature table is read for it (kvproxy.tokens.verified). None: not reported.
+    # the verified-feature table is read for it (kvproxy.tokens.gate.verified). None: not reported.
     version: str | None = None
 
     @property

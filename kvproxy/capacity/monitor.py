@@ -88,7 +88,7 @@ class CapacityMonitor:
         publish_model: bool = True,
     ) -> None:
         self._settings = settings
-        # Fed each refresh's engine versions and the detected router (kvproxy.tokens.verified).
+        # Fed each refresh's engine versions and the detected router (kvproxy.tokens.gate.verified).
         self.verifier = verifier
         self._router_checked_mono: float | None = None
         # The `model` label of the limit gauges (kvproxy.serve.models: one monitor per model's

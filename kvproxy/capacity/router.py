@@ -1,7 +1,7 @@
 """What sits between kvproxy and the engines: detection of the upstream for `router_kind: auto`.
 
 The router decides which request features kvproxy's exact count is verified for
-(`kvproxy.tokens.verified`): smg re-serialises JSON numbers as 64-bit floats and refuses
+(`kvproxy.tokens.gate.verified`): smg re-serialises JSON numbers as 64-bit floats and refuses
 capitalised roles, an engine served directly does neither. `detect_router` asks the
 upstream four read-only questions and `classify` (pure) reads the answers:
 
@@ -30,7 +30,7 @@ Conclusions, first match wins:
 The monitor asks only when the answer matters: when the engines' kinds and versions read
 rows of the verified table that differ by router (not for a static pool, nor for versions
 no row names). "Not detected" fails towards unverified: the verified table is read for
-an unknown router, which keeps only what holds behind every router (`tokens.verified`);
+an unknown router, which keeps only what holds behind every router (`tokens.gate.verified`);
 detection is tried again at the next capacity refresh. An upstream that requires an API
 key for /workers answers 401 there and is classified by the other answers.
 

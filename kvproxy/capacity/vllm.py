@@ -16,7 +16,7 @@ vLLM refuses to start when max_model_len exceeds one engine's pool
 `/capacity`, the warnings and the release gate's table honest.
 The context is `/v1/models` `data[].max_model_len`. Both endpoints are required. `/version`
 is asked alongside and never fails the probe: it names the engine version the verified-feature
-table is read for (kvproxy.tokens.verified); absent, nothing version-specific is verified.
+table is read for (kvproxy.tokens.gate.verified); absent, nothing version-specific is verified.
 
 The arithmetic lives in `limits.vllm_limits`.
 

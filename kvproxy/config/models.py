@@ -37,7 +37,7 @@ IMPLICIT_MODEL = "default"
 IMPLICIT_CLUSTER = "default"
 # An HTTP header name (RFC 9110 token): the affinity header is read, never forwarded changed.
 HEADER_NAME_PATTERN = r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,64}$"
-# What sits between kvproxy and the engines (kvproxy.tokens.verified): auto detects it.
+# What sits between kvproxy and the engines (kvproxy.tokens.gate.verified): auto detects it.
 RouterSetting = Literal["auto", "none", "smg", "sglang-router", "vllm-router"]
 
 

@@ -223,7 +223,7 @@ class Settings(ModelFields, BaseSettings):
     """What sits between kvproxy and the engines: `smg`, `sglang-router`, `vllm-router`,
     `none` (the upstream is an engine) or `auto` (probed; until that succeeds only what
     holds behind every router is verified). It decides which request features the exact
-    count may admit (kvproxy.tokens.verified); per model as `models[].router_kind`."""
+    count may admit (kvproxy.tokens.gate.verified); per model as `models[].router_kind`."""
     count_timeout_s: float = Field(default=10.0, gt=0)
     """Bound on counting one prompt (an engine's `/tokenize`, or the local tokenizer's
     queue); past it the request fails closed with 503 `token_count_unavailable`."""

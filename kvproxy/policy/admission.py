@@ -193,7 +193,7 @@ def _too_long(count: TokenCount, shape: ShapeView, limits: LimitsView) -> Reject
     why = limits.why if published else (limits.input_why or limits.why)
     source = limits.source if published else limits.input_source
     if count.unverified:
-        # The exact count was withheld (tokens.verified): say which features forced the
+        # The exact count was withheld (tokens.gate.verified): say which features forced the
         # bound, so the client can send a plain body and the operator can see why.
         why += "; " + errors.unverified_note(count.unverified, count.verified_for)
     elif not count.exact and not count.at_least:

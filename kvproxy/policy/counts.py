@@ -33,7 +33,7 @@ class TokenCount:
     # Counting stopped once over admit_at_most: the prompt has at least `tokens` tokens
     # (the decision, not the number, is what admission needs).
     at_least: bool = False
-    # Features of the request outside the verified table (tokens.verified): the exact count
+    # Features of the request outside the verified table (tokens.gate.verified): the exact count
     # was withheld and `tokens` is the guaranteed bound; `verified_for` names the engines
     # and router the table was read for ("sglang 0.5.9 behind smg").
     unverified: tuple[str, ...] = ()

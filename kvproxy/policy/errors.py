@@ -137,7 +137,7 @@ def sse_error_event(err: KvproxyError, style: ErrorStyle) -> bytes:
 
 # Why a count is what it is, in an error body's `count_reason` (beside `prompt_tokens_kind`):
 #   unverified_feature  the request uses a feature the exact count is not verified for on
-#                       these engines and router (tokens.verified): decided by the bound;
+#                       these engines and router (tokens.gate.verified): decided by the bound;
 #                       `unverified_features` lists them (names from a closed vocabulary).
 UNVERIFIED_FEATURE = "unverified_feature"
 

@@ -99,7 +99,7 @@ def _chat(data: Mapping[str, Any]) -> SequencePrompt:
 # twice they fail in the engine, or, merged, replace what was counted) and template
 # globals. `chat_template` is the field gate's (prompt.fields): refused unless the operator
 # trusts request templates, then bounded by that template's own proof. Special tokens
-# (bos_token, ...) are rendered exactly instead (tokens.chatnorm).
+# (bos_token, ...) are rendered exactly instead (tokens.replica.chatnorm).
 REFUSED_TEMPLATE_KWARGS = frozenset(
     {"messages", "conversation", "tools", "documents", "add_generation_prompt",
      "continue_final_message", "tokenize", "return_dict", "padding",

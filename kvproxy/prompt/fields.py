@@ -8,7 +8,7 @@ into 60,000 tokens), so the world is closed: for each supported engine release a
 
     neutral    never reaches the prompt (sampling, stop, logprobs, output shaping, routing)
     counted    prompt text or ids the bound and the exact count include
-    template   handed to the chat template: covered by the template's proof (tokens.proof)
+    template   handed to the chat template: covered by the template's proof (tokens.bound.proof)
     media      changes what media cost: priced by kvproxy.prompt.media, or refused
     refused    cannot be bounded from the request (stored context, tensors, padding to the
                model's length, a request's own template unless the operator trusts it)

@@ -280,7 +280,7 @@ class MediaPolicy:
     def cost(self, body: Mapping[str, Any], route: str) -> int:
         """The tokens every media item of the request becomes, summed; a 400 naming the
         part kind or field for media that cannot be priced. Walks every object in the body
-        with a media `type` (the walk of tokens.measure counts the same ones), and SGLang's
+        with a media `type` (the walk of tokens.bound.measure counts the same ones), and SGLang's
         `image_data` on its native routes."""
         items: list[tuple[str, Any]] = []
         pending: list[Any] = [body]

@@ -120,9 +120,9 @@ PROMPT_ONLY: dict[str, Callable[[Mapping[str, Any]], _Parsed]] = {
 
 
 # The top-level fields each route's parser reads (see the functions above). Any other field
-# that `tokens.features.INERT_KEYS` does not name may carry prompt text an engine reads (vLLM's
+# that `tokens.gate.features.INERT_KEYS` does not name may carry prompt text an engine reads (vLLM's
 # /v1/score takes text_1/text_2, its pooling routes `messages`): the counter then bounds the
-# request by all of its text (tokens.guarantee.text_tokens) and never counts it exactly.
+# request by all of its text (tokens.bound.guarantee.text_tokens) and never counts it exactly.
 MODELED_KEYS: dict[str, frozenset[str]] = {
     "embeddings": frozenset({"input", "encoding_format", "dimensions"}),
     "classify": frozenset({"input"}),

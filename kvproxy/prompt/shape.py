@@ -74,11 +74,11 @@ class PromptShape:
     # False for prompt-only routes (embeddings, rerank, ...): no output, so no decode budget.
     generates: bool = True
     # The parsed JSON body as the client sent it: the counter reads its features
-    # (tokens.features) when an exact count is needed, and vLLM's /tokenize gets the
-    # client's own chat fields from it (tokens.engine).
+    # (tokens.gate.features) when an exact count is needed, and vLLM's /tokenize gets the
+    # client's own chat fields from it (tokens.exact.engine).
     body: Mapping[str, Any] = field(default_factory=dict)
     # The request's bytes as received: the guaranteed bound's O(1) form reads them
-    # (tokens.guarantee); never logged.
+    # (tokens.bound.guarantee); never logged.
     raw: bytes = b""
     # What the request's media become in tokens, summed over every item (prompt.media):
     # set by the counter, which holds the model's image processor.

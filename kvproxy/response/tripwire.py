@@ -290,7 +290,7 @@ class CanaryScanner:
 def _holds_no_start(compiled: _Compiled, data: bytes) -> bool:
     """No JSON escape and no marker's first character in `data` (the raw-bytes prefilter)."""
     starts = compiled.starts_utf8
-    # find, not `in` (which first tries the needle as an integer: kvproxy.tokens.guarantee).
+    # find, not `in` (which first tries the needle as an integer: kvproxy.tokens.bound.guarantee).
     return starts is not None and data.find(b"\\") < 0 and starts.search(data) is None
 
 

@@ -24,7 +24,7 @@ def prompt_tokens_in(data: bytes) -> int | None:
     decoded, and one whose last `"usage"` key is a top-level member is decoded from that
     key on. (A body that is not valid JSON may then read a figure the walk refuses: the
     number only feeds the drift check's metrics, never an admission.)"""
-    # find, not `in` (which first tries the needle as an integer: kvproxy.tokens.guarantee).
+    # find, not `in` (which first tries the needle as an integer: kvproxy.tokens.bound.guarantee).
     at = data.rfind(b'"usage"')
     if at < 0 and data.find(b"\\") < 0:
         return None

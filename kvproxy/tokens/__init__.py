@@ -10,16 +10,22 @@ Public API (the proxy calls only these):
 `KVPROXY_TOKENIZER` selects the exact method: `bytes` (bound only), `hf:PATH`,
 `tiktoken:PATH` or `engine` (the engine's `/tokenize`). `hf:PATH` counts with fastokens
 when it is installed and agrees with HF `tokenizers` on a probe corpus at start-up (`fast`),
-else with HF itself; `counter.backend` says which. Modules:
+else with HF itself; `counter.backend` says which.
 
-    bounds     byte bounds (NFC rule), safe cut points, template-free overhead   (pure)
-    chatnorm   each engine's chat request normalisation (what the template sees)  (pure)
-    templates  the model's chat template, rendered as engines render it           (pure)
-    hfbuild    the pipelines transformers may build from a tokenizer directory   (pure)
-    local      HF tokenizers and tiktoken, called from worker threads             (threads)
-    fast       fastokens, verified against HF at load, else HF                    (threads)
-    engine     POST /tokenize on an SGLang or vLLM engine                         (aiohttp)
-    counter    TokenCounter: plan, bound, exact, timeout, concurrency             (asyncio)
+The package is split by tier, each a subpackage whose face names what the other tiers
+use; a tier imports only tiers listed above it here, and only through their faces
+(tests/test_architecture_tokens.py):
+
+    replica   what the engine will tokenize: its chat normalisation, the template's
+              render, frames, the tokenizer pipelines transformers builds      (pure)
+    gate      whether the exact count may admit: request features against
+              the verified table                                               (pure)
+    bound     a guaranteed upper bound with no tokenizer run: byte bounds, the
+              template proof, the raw request's measures, the guarantee        (pure)
+    exact     the engine's count: HF / fastokens / tiktoken in worker threads,
+              or the engine's /tokenize                                        (threads, aiohttp)
+    ladder    the rungs and their one executor (`ladder`), declared once in
+              `counter.LADDER`; `TokenCounter` runs them                       (asyncio)
 
 Nothing in this package logs or labels prompt text (I8).
 """
@@ -31,19 +37,20 @@ from typing import Any
 from kvproxy.config import ConfigError, Settings, effective_tokenizer
 from kvproxy.policy import CountMethod, TokenCount
 from kvproxy.prompt import FieldPolicy, ImageProcessor, MediaPolicy
-from kvproxy.tokens.bounds import BoundRule
-from kvproxy.tokens.chatnorm import ENGINE_KINDS, EngineKind
+from kvproxy.tokens.bound import BoundRule
 from kvproxy.tokens.counter import TokenCounter
-from kvproxy.tokens.engine import (
+from kvproxy.tokens.exact import (
     EngineTokenize,
     EngineTokenizer,
     EngineTokenizeRequest,
     FailoverEngineTokenizer,
+    load_hf,
+    load_hf_counting,
+    load_tiktoken,
+    release_load_garbage,
 )
-from kvproxy.tokens.fast import load_hf_counting
-from kvproxy.tokens.local import load_hf, load_tiktoken, release_load_garbage
-from kvproxy.tokens.templates import ChatTemplate, load_template
-from kvproxy.tokens.verified import RouterKind, Verifier
+from kvproxy.tokens.gate import RouterKind, Verifier
+from kvproxy.tokens.replica import ENGINE_KINDS, ChatTemplate, EngineKind, load_template
 
 
 def build_counter(
@@ -119,8 +126,8 @@ def _template(settings: Settings, fallback: ChatTemplate | None) -> ChatTemplate
 
 def _bound_only(settings: Settings, local: Any, template: ChatTemplate | None) -> TokenCounter:
     """The counter for a tokenizer the engines do not build as its files say, in a way kvproxy
-    does not model (tokens.hfbuild): its counts could fall short of the engine's, so it never
-    counts; requests are decided on the byte bound (fail closed)."""
+    does not model (tokens.replica.hfbuild): its counts could fall short of the engine's, so
+    it never counts; requests are decided on the byte bound (fail closed)."""
     why = f"exact counts are off for {local.origin}: {local.unmodelled}"
     if local.bound_rule is None:
         # Not byte-level BPE: no byte bound holds either, so nothing could admit safely.
@@ -169,7 +176,7 @@ def build_media(settings: Settings) -> MediaPolicy:
 
 
 def build_verifier(settings: Settings) -> Verifier:
-    """The verified-feature view of `settings`' engines and router (tokens.verified); the
+    """The verified-feature view of `settings`' engines and router (tokens.gate.verified); the
     capacity monitor feeds it the measured versions and the detected router."""
     return Verifier([e.kind for e in settings.engines], settings.router_kind)
 

@@ -10,20 +10,20 @@ replica bound, verified gate, plain render, exact count. In short:
 
   1. a guaranteed bound <= admit_at_most (and the tokenizer family has one): admit on the
      bound; nothing is tokenized. A plain chat's render comes from its shape's proven frame
-     (`tokens.frames`: the same string, with no jinja render), so a small chat far below
+     (`tokens.replica.frames`: the same string, with no jinja render), so a small chat far below
      the limit costs a dict walk; when that bound does not admit, the template is rendered
      plainly and the decision rests on that render;
   2. otherwise count exactly: fastokens / HF / tiktoken in worker threads that release the
      GIL, or the engine's `/tokenize`. A local count stops as soon as the decision is known
-     (`local.HfTokenizer._encode`): once the tokens counted so far exceed `admit_at_most`
+     (`exact.local.HfTokenizer._encode`): once the tokens counted so far exceed `admit_at_most`
      (`at_least`: the number is a lower bound, the prompt is rejected), or once they plus the
      byte bound of the rest fit (an upper bound, admitted). Admission needs the decision,
      not the number; the `X-Kvproxy-Prompt-Tokens-Kind` header says which the number is;
   3. no exact method configured (`bytes`): return the bound; the caller rejects on it.
 
 The exact count admits only where its model is verified: before counting exactly, the
-request's features (`tokens.features`) are checked against the verified table for the
-engines and router in front (`tokens.verified.Verifier`). A request using any unverified
+request's features (`tokens.gate.features`) are checked against the verified table for the
+engines and router in front (`tokens.gate.verified.Verifier`). A request using any unverified
 feature is decided by the guaranteed bound alone; its `TokenCount` names the features, so a
 rejection says which one forced the bound. A tokenizer family with no guaranteed bound
 cannot decide such a request at all: it is refused (`errors.unverified_unbounded`).
@@ -61,17 +61,19 @@ from kvproxy.prompt import (
     SequencePrompt,
     request_template,
 )
-from kvproxy.tokens import bounds, ladder
-from kvproxy.tokens.bounds import BoundRule
-from kvproxy.tokens.chatnorm import SPECIAL_TOKEN_KEYS, reserialised_bytes
-from kvproxy.tokens.engine import EngineTokenize, EngineTokenizeRequest, client_chat_fields
-from kvproxy.tokens.features import INERT_KEYS, request_features
-from kvproxy.tokens.frames import frames_for
-from kvproxy.tokens.guarantee import ChatGuarantee, text_tokens
+from kvproxy.tokens import ladder
+from kvproxy.tokens.bound import BoundRule, ChatGuarantee, bounds, text_tokens
+from kvproxy.tokens.exact import (
+    EarlyStopping,
+    EngineTokenize,
+    EngineTokenizeRequest,
+    LocalTokenizer,
+    Partial,
+    client_chat_fields,
+)
+from kvproxy.tokens.gate import INERT_KEYS, Method, Verifier, request_features
 from kvproxy.tokens.ladder import Rung
-from kvproxy.tokens.local import EarlyStopping, LocalTokenizer, Partial
-from kvproxy.tokens.templates import ChatTemplate
-from kvproxy.tokens.verified import Method, Verifier
+from kvproxy.tokens.replica import SPECIAL_TOKEN_KEYS, ChatTemplate, frames_for, reserialised_bytes
 
 T = TypeVar("T")
 
@@ -97,14 +99,14 @@ class _Plan:
     # strings (each its own text).
     texts: tuple[str, ...]
     # Each further engine normalisation's render (segments), when they differ: the count is
-    # the largest (tokens.chatnorm).
+    # the largest (tokens.replica.chatnorm).
     others: tuple[tuple[str, ...], ...]
     rendered: bool
     # Added to any exact count: ids, media, specials, joins.
     fixed: int
     # Whether `count(texts) + fixed` is the engine's exact number.
     exact: bool
-    # The render came from a proven frame (tokens.frames), not from jinja: used to admit on
+    # The render came from a proven frame (tokens.replica.frames), not from jinja: used to admit on
     # the bound only; a decision near the limit renders plainly (`Climb.plain_render`).
     framed: bool = False
 
@@ -146,7 +148,7 @@ class TokenCounter:
         self._rule: BoundRule = bound_rule or "nfc"
         self._template = template
         self._frames = frames_for(template)
-        # The guaranteed bound of chat-like requests (tokens.guarantee), proven once per
+        # The guaranteed bound of chat-like requests (tokens.bound.guarantee), proven once per
         # template; a string says why the template could not be proven.
         self._guarantee: ChatGuarantee | str | None = None
         if template is not None:
@@ -462,7 +464,8 @@ class TokenCounter:
         `media`: the request's media cost (prompt.media)."""
         segments = self._frames.render(seq) if framed and self._frames is not None else None
         if segments is not None:
-            # A plain chat: the frame filled with its contents IS the render (tokens.frames).
+            # A plain chat: the frame filled with its contents IS the render
+            # (tokens.replica.frames).
             bound = bounds.segments_bound(segments, self._rule) + media
             return _Plan(seq, True, bound, segments, (), True, media, media == 0, framed=True)
         if self._template is not None:
@@ -532,7 +535,7 @@ class TokenCounter:
         try:
             if plan.chat and self._count_method(shape) == "engine":
                 # The engine normalises and renders the chat itself: it gets the client's
-                # own fields, so the count is the engine's by construction (tokens.engine).
+                # own fields, so the count is the engine's by construction (tokens.exact.engine).
                 req = EngineTokenizeRequest(fields=client_chat_fields(shape.body))
                 return await engine(req) + plan.fixed, plan.fixed == 0
             if not plan.chat:
@@ -820,7 +823,7 @@ class Climb:
     def verified_gate(self) -> TokenCount | None:
         """The bound's decision when the request uses a feature outside the verified table
         (the exact count may not admit it), else None: count exactly. On the loop even for
-        a large request: reading features is bounded work (tokens.features caps the strings
+        a large request: reading features is bounded work (tokens.gate.features caps the strings
         it parses and the values it walks), and a thread hop measurably stalled the loop
         more than the read itself."""
         c, shape, plans = self.counter, self.shape, self.plans
@@ -890,7 +893,7 @@ LADDER: tuple[Rung[Climb, TokenCount], ...] = (
     Rung(
         "replica bound",
         "admits on the bound of what the engine will tokenize: a plain chat's proven frame "
-        "(`tokens.frames`), else the template's render, else the raw strings; with no "
+        "(`tokens.replica.frames`), else the template's render, else the raw strings; with no "
         "exact method (`bytes`) it decides every request",
         "every request",
         "loop if small",

@@ -19,7 +19,7 @@ from kvproxy.observe.metrics import Metrics
 from kvproxy.sim import SimCluster
 from kvproxy.sim.launcher import SimOptions
 from kvproxy.tokens import build_verifier
-from kvproxy.tokens.verified import SGLANG_ORACLE
+from kvproxy.tokens.gate.verified import SGLANG_ORACLE
 
 NOT_FOUND = Answer(404, {"content-type": "text/plain"})
 NO_ANSWER = Answer(0, {})

@@ -5,6 +5,6 @@ tokenizer, giving the token count the engine prefills for a request body.
 Owns: the replicas (`sglang`, `vllm`, `smg`), the shipped models they render with
 (`models`), the named bodies of every under-count class (`corpus`), and the one adapter
 that asks kvproxy for its decision (`kvproxy_side`). Must never: import kvproxy anywhere
-but `kvproxy_side.py`, or take a rule from kvproxy/tokens/chatnorm.py (an oracle written
+but `kvproxy_side.py`, or take a rule from kvproxy/tokens/replica/chatnorm.py (an oracle written
 from the code it checks verifies nothing; DESIGN.md, round-3 amendment on I1).
 """

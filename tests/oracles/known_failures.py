@@ -12,7 +12,7 @@ engine's (property (b); an over-count is safe but must not be called exact).
 
 from __future__ import annotations
 
-# Closed by the guaranteed bound (tokens.guarantee): every corpus body kvproxy admits is
+# Closed by the guaranteed bound (tokens.bound.guarantee): every corpus body kvproxy admits is
 # within the engine's count (roles, score fields, prompt_embeds, chat input_ids and
 # kv_transfer_params bodies are decided by a bound over every field, or refused).
 UNDER_TODAY: dict[tuple[str, str], str] = {}
@@ -25,5 +25,5 @@ SLOW_UNDER_TODAY: dict[tuple[str, str], str] = {}
 # one model per family) and slow form (20 per class on every shipped template).
 FUZZ_FAST_TODAY: dict[str, str] = {}
 # The GPT2Tokenizer-class MiniMax checkpoints counted under before kvproxy built the pipeline
-# transformers 5 builds (tokens.hfbuild): closed.
+# transformers 5 builds (tokens.replica.hfbuild): closed.
 FUZZ_SLOW_TODAY: dict[str, str] = {}

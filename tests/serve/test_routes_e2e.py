@@ -68,7 +68,7 @@ async def routed(http: aiohttp.ClientSession, url: str) -> dict[str, int]:
 async def test_bound_admits_far_below_the_limit_and_refuses_at_it(
     http: aiohttp.ClientSession, path: str, build: Callable[[str], dict[str, Any]]
 ) -> None:
-    """kvproxy's conversion of these routes is not in the verified table (tokens.verified):
+    """kvproxy's conversion of these routes is not in the verified table (tokens.gate.verified):
     the exact count may not admit them, so the bound decides. It admits a prompt far below
     the limit (the guaranteed bound is ~10x the engine's count on Qwen-3's template for this
     text, bench/GUARANTEE.md: a twentieth of the limit fits under it); at the limit the

@@ -25,7 +25,7 @@ from typing import Any
 
 from tokenizer_files import cache_root
 
-from kvproxy.tokens.chatnorm import ContentFormat, EngineKind, engine_messages, engine_tools
+from kvproxy.tokens.replica.chatnorm import ContentFormat, EngineKind, engine_messages, engine_tools
 
 # One line per template from the differential suite, for the terminal summary (conftest).
 REPORT: dict[str, str] = {}

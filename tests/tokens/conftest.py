@@ -12,7 +12,7 @@ from kvtest import add_summary
 from tokenizer_files import cache_root, real_tokenizer_dir
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from kvproxy.tokens.local import HfTokenizer, load_hf
+from kvproxy.tokens.exact.local import HfTokenizer, load_hf
 
 REAL_MODELS = ("qwen-3", "glm-4", "deepseek-v3")
 

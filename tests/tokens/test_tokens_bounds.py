@@ -8,7 +8,7 @@ import unicodedata
 
 import pytest
 
-from kvproxy.tokens import bounds
+from kvproxy.tokens.bound import bounds
 
 
 def _second_halves() -> set[int]:

@@ -13,7 +13,7 @@ from tokenizer_files import package_data_dir, real_tokenizer_dir
 from kvproxy.config import ConfigError, EngineSpec, Settings
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import build_counter
-from kvproxy.tokens.engine import FailoverEngineTokenizer
+from kvproxy.tokens.exact.engine import FailoverEngineTokenizer
 
 CHAT = orjson.dumps({"messages": [{"role": "user", "content": "Hello there, world"}]})
 
@@ -131,7 +131,8 @@ def test_bad_paths_are_one_line_config_errors(tmp_path: Path) -> None:
 _RSS_PROBE = """
 import gc, sys
 from kvproxy.config import Settings
-from kvproxy.tokens import build_counter, fast
+from kvproxy.tokens import build_counter
+from kvproxy.tokens.exact import fast
 
 def rss_kib():
     with open("/proc/self/status") as f:

@@ -46,15 +46,15 @@ from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import PromptShape
 from kvproxy.prompt.media import MediaPolicy
 from kvproxy.prompt.parse import parse_request
-from kvproxy.tokens.chatnorm import (
+from kvproxy.tokens.counter import TokenCounter
+from kvproxy.tokens.exact.local import load_hf
+from kvproxy.tokens.replica.chatnorm import (
     ENGINE_KINDS,
     EngineKind,
     content_formats,
     engine_messages,
     engine_tools,
 )
-from kvproxy.tokens.counter import TokenCounter
-from kvproxy.tokens.local import load_hf
 
 CONVERSATIONS = int(os.environ.get("KVPROXY_CHAT_DIFFERENTIAL_N", "1000"))
 FAST_CONVERSATIONS = min(200, CONVERSATIONS)

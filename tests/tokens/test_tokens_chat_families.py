@@ -26,9 +26,9 @@ from kvtest import FakeUpstream, running_proxy, static_engines
 
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt.parse import parse_request
-from kvproxy.tokens.chatnorm import ENGINE_KINDS, content_formats
 from kvproxy.tokens.counter import TokenCounter
-from kvproxy.tokens.local import HfTokenizer, load_hf
+from kvproxy.tokens.exact.local import HfTokenizer, load_hf
+from kvproxy.tokens.replica.chatnorm import ENGINE_KINDS, content_formats
 
 CHAT = "/v1/chat/completions"
 W = "word " * 100
@@ -275,7 +275,7 @@ async def test_serve_rejects_the_family_with_a_pool_below_the_engine_count(
     case: str, upstream: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     """Pool below the engine's count: rejected, nothing forwarded. Each family uses a feature
-    the verified table does not list for a static pool (tokens.verified), so the decision is
+    the verified table does not list for a static pool (tokens.gate.verified), so the decision is
     the bound's and the rejection names the feature; a pool that holds that bound admits."""
     model, body = FAMILIES[case]
     truth = engine_count(model, body)

@@ -1,4 +1,4 @@
-"""Each engine's chat normalisation, rule by rule (tokens.chatnorm), and what it costs the
+"""Each engine's chat normalisation, rule by rule (tokens.replica.chatnorm), and what it costs the
 common small chat: nothing beyond the one render it always had."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from kvproxy.config import load_settings
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import engine_kinds
-from kvproxy.tokens.chatnorm import (
+from kvproxy.tokens.replica.chatnorm import (
     content_formats,
     engine_messages,
     engine_tools,
@@ -20,7 +20,7 @@ from kvproxy.tokens.chatnorm import (
     reserialised_bytes,
     template_variants,
 )
-from kvproxy.tokens.templates import ChatTemplate
+from kvproxy.tokens.replica.templates import ChatTemplate
 
 PLAIN = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
 CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a":1,"b":[1,2]}'}}

@@ -18,10 +18,10 @@ from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import PromptShape
 from kvproxy.prompt.media import ImageProcessor, MediaPolicy
 from kvproxy.prompt.parse import parse_request
-from kvproxy.tokens.bounds import BoundRule
+from kvproxy.tokens.bound.bounds import BoundRule
+from kvproxy.tokens.bound.guarantee import ChatGuarantee
 from kvproxy.tokens.counter import LADDER, UNKNOWN_SPECIAL_TOKENS, Climb, Limits, TokenCounter
-from kvproxy.tokens.guarantee import ChatGuarantee
-from kvproxy.tokens.templates import ChatTemplate
+from kvproxy.tokens.replica.templates import ChatTemplate
 
 SIMPLE_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
@@ -250,7 +250,8 @@ async def test_concurrency_is_bounded() -> None:
 async def test_large_shapes_are_planned_off_the_loop() -> None:
     loop_thread = threading.get_ident()
     seen: list[int] = []
-    # `trim` looks inside the content: no proven frame (tokens.frames), so both chats render.
+    # `trim` looks inside the content: no proven frame (tokens.replica.frames), so both chats
+    # render.
     tmpl = ChatTemplate("{{ messages[0].content|trim }}")
     original = tmpl.render_all
 

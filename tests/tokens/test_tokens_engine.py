@@ -17,14 +17,14 @@ from ports import free_port
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens.counter import TokenCounter
-from kvproxy.tokens.engine import (
+from kvproxy.tokens.exact.engine import (
     EngineTokenizeError,
     EngineTokenizer,
     EngineTokenizeRequest,
     FailoverEngineTokenizer,
     parse_count,
 )
-from kvproxy.tokens.templates import ChatTemplate
+from kvproxy.tokens.replica.templates import ChatTemplate
 
 AiohttpServer = Callable[..., Awaitable[TestServer]]
 
@@ -61,7 +61,7 @@ async def test_vllm_gets_messages() -> None:
     got = await _count(engine, chat_shape())
     assert (got.tokens, got.method, got.exact) == (7, "engine", True)
     (req,) = engine.requests
-    # As the client sent them: the engine applies its own normalisation (tokens.chatnorm),
+    # As the client sent them: the engine applies its own normalisation (tokens.replica.chatnorm),
     # and a field the client did not send stays unsent (the engine's default applies).
     assert req.fields == {
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]

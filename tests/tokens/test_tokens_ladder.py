@@ -22,9 +22,9 @@ from kvproxy.prompt import PromptShape
 from kvproxy.prompt.parse import parse_request
 from kvproxy.tokens import ladder
 from kvproxy.tokens.counter import LADDER, Climb, Limits, TokenCounter
+from kvproxy.tokens.gate.verified import Verifier
 from kvproxy.tokens.ladder import Rung
-from kvproxy.tokens.templates import ChatTemplate
-from kvproxy.tokens.verified import Verifier
+from kvproxy.tokens.replica.templates import ChatTemplate
 
 SIMPLE_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"

@@ -1,4 +1,4 @@
-"""The combining-mark test the guaranteed bound's NFC rule rests on (tokens.measure):
+"""The combining-mark test the guaranteed bound's NFC rule rests on (tokens.bound.measure):
 `_has_marks` answers exactly what a per-character `unicodedata.combining` scan answers, for
 BMP and astral marks, in any position and between astral characters of every kind."""
 
@@ -9,7 +9,7 @@ import unicodedata
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproxy.tokens import measure
+from kvproxy.tokens.bound import measure
 
 
 def _reference(s: str) -> bool:

@@ -1,4 +1,4 @@
-"""The string measure the guaranteed bound multiplies (tokens.measure `_sizes`): P is the
+"""The string measure the guaranteed bound multiplies (tokens.bound.measure `_sizes`): P is the
 string's UTF-8 length, and X is never below any printed form an engine or a template may
 give it — `json.dumps` ASCII-escaped, `json.dumps(ensure_ascii=False)` and `repr`, each of
 the whole string, quotes included — while staying exact where the ASCII-escaped JSON form
@@ -11,7 +11,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproxy.tokens import bounds, measure
+from kvproxy.tokens.bound import bounds, measure
 
 
 def _utf8(s: str) -> int:

@@ -1,4 +1,4 @@
-"""The template proof (tokens.proof): what it proves on small templates whose output is known,
+"""The template proof (tokens.bound.proof): what it proves on small templates whose output is known,
 what it refuses, and that every shipped template is proven in every variant.
 
 Each case states the multiplicity a byte of an input can have (the proof's per-root factor),
@@ -12,12 +12,12 @@ import pytest
 import sweep
 from chat_reference import model_dir, template_models
 
-from kvproxy.tokens.guarantee import ChatGuarantee
-from kvproxy.tokens.local import load_hf
-from kvproxy.tokens.proof import prove
-from kvproxy.tokens.proof import sizes as sz
-from kvproxy.tokens.proof.filters import CASE_GROWTH
-from kvproxy.tokens.proof.sizes import Unproven
+from kvproxy.tokens.bound.guarantee import ChatGuarantee
+from kvproxy.tokens.bound.proof import prove
+from kvproxy.tokens.bound.proof import sizes as sz
+from kvproxy.tokens.bound.proof.filters import CASE_GROWTH
+from kvproxy.tokens.bound.proof.sizes import Unproven
+from kvproxy.tokens.exact.local import load_hf
 
 
 def worst(source: str, root: str = "messages") -> int:

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from kvproxy.config import Settings
 from kvproxy.prompt.parse import parse_request
-from kvproxy.tokens import bounds
+from kvproxy.tokens.bound import bounds
 from kvproxy.tokens.counter import TokenCounter
-from kvproxy.tokens.local import HfTokenizer
+from kvproxy.tokens.exact.local import HfTokenizer
 
 NAMES = ("qwen-3", "glm-4", "deepseek-v3", "trained")
 WholeCount = Callable[[HfTokenizer, str], int]

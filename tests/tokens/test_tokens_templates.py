@@ -11,9 +11,9 @@ import pytest
 from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import SequencePrompt
 from kvproxy.prompt.parse import parse_request
-from kvproxy.tokens import bounds
-from kvproxy.tokens.local import HfTokenizer
-from kvproxy.tokens.templates import BIG_CHARS, ChatTemplate
+from kvproxy.tokens.bound import bounds
+from kvproxy.tokens.exact.local import HfTokenizer
+from kvproxy.tokens.replica.templates import BIG_CHARS, ChatTemplate
 
 BIG = ("Lorem ipsum dolor sit amet.\nConsectetur adipiscing elit " * 3000)[: BIG_CHARS + 500]
 assert len(BIG) > BIG_CHARS

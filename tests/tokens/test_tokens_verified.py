@@ -1,4 +1,4 @@
-"""The verified table and the gate (kvproxy.tokens.verified, TokenCounter): the exact count
+"""The verified table and the gate (kvproxy.tokens.gate.verified, TokenCounter): the exact count
 admits only requests whose every feature is verified for the engines and router in front;
 anything else is decided by the guaranteed bound, and a rejection says which feature forced
 it. Sans-IO for the table and the counter; one run through `kvproxy serve` at the end."""
@@ -24,10 +24,9 @@ from kvproxy.policy.errors import KvproxyError
 from kvproxy.prompt import parse_request
 from kvproxy.tokens import build_counter
 from kvproxy.tokens.counter import TokenCounter
-from kvproxy.tokens.features import FEATURES, request_features
-from kvproxy.tokens.local import load_hf
-from kvproxy.tokens.templates import load_template
-from kvproxy.tokens.verified import (
+from kvproxy.tokens.exact.local import load_hf
+from kvproxy.tokens.gate.features import FEATURES, request_features
+from kvproxy.tokens.gate.verified import (
     ALL_ROUTERS,
     PLAIN_CHAT,
     TABLE,
@@ -36,6 +35,7 @@ from kvproxy.tokens.verified import (
     parse_version,
     verified_features,
 )
+from kvproxy.tokens.replica.templates import load_template
 
 W = "word " * 200  # ~200 tokens of content, ~1,000 bytes
 

@@ -35,10 +35,10 @@ from oracles.models import FAMILIES, REPRESENTATIVES, load_model, model_dir
 from kvproxy.prompt import parse_request
 from kvproxy.prompt.fields import FieldPolicy
 from kvproxy.tokens.counter import TokenCounter
-from kvproxy.tokens.features import request_features
-from kvproxy.tokens.local import load_hf
-from kvproxy.tokens.templates import ChatTemplate, load_template
-from kvproxy.tokens.verified import TABLE, Entry, Verifier, verified_features
+from kvproxy.tokens.exact.local import load_hf
+from kvproxy.tokens.gate.features import request_features
+from kvproxy.tokens.gate.verified import TABLE, Entry, Verifier, verified_features
+from kvproxy.tokens.replica.templates import ChatTemplate, load_template
 
 # (engine kind, router) -> (oracle, the release it replicates)
 ORACLES: dict[tuple[str, str], tuple[Any, str]] = {
@@ -277,7 +277,7 @@ def test_a_wrong_entry_makes_the_differential_fail() -> None:
 # from its own defaults instead of tokenizer.json (`MiniMax-M2` -> `-`, `M` where the file
 # keeps `-M`; no NFC): the file alone counted 36 tokens on PROBE where the engine counts 40.
 # kvproxy now counts with both pipelines and takes the larger, as an upper bound
-# (tokens.hfbuild; every shipped tokenizer is held to transformers in test_tokens_hfbuild).
+# (tokens.replica.hfbuild; every shipped tokenizer is held to transformers in test_tokens_hfbuild).
 REBUILT = frozenset({"minimax", "minimax-m1-40k", "minimax-text-01"})
 PROBE = "You are MiniMax-M2.7, built 2026-12-03 by A-Team. x-y z-Z 3.5-7B naïve 中文 it's"
 

@@ -1,6 +1,6 @@
 """What the template proof knows at one point of a template (`State`), a loop's iteration
 (`Loop`), the roots and globals a template reads, and the `Analyzer` face the expression
-operations (`ops`, `filters`) call back into. Pure; the lowest floor of `tokens.proof`.
+operations (`ops`, `filters`) call back into. Pure; the lowest floor of `tokens.bound.proof`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import jinja2.nodes as nodes
 
-from kvproxy.tokens.proof import sizes as sz
-from kvproxy.tokens.proof.sizes import LIST, NONE, UNDEF, Poly, Value
+from kvproxy.tokens.bound.proof import sizes as sz
+from kvproxy.tokens.bound.proof.sizes import LIST, NONE, UNDEF, Poly, Value
 
 FIXED_ROOTS: dict[str, frozenset[str]] = {
     "messages": frozenset({LIST}),

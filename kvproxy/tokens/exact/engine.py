@@ -5,7 +5,7 @@ same normalisation and renderer as its chat completions: the counter sends it th
 own chat fields (`client_chat_fields`), never kvproxy's normalised ones, so the count is the
 engine's by construction. SGLang's accepts only `prompt` (facts/ENGINES.md), so for SGLang
 the counter renders the template locally and sends the rendered string with
-`add_special_tokens: false` (that render is kvproxy's replica: tokens.verified gates it).
+`add_special_tokens: false` (that render is kvproxy's replica: tokens.gate.verified gates it).
 
 The reply carries every token id (a 1 M-token prompt answers ~7 MB): parsing that with
 orjson would hold the GIL on the event loop for ~10-20 ms, so large replies are searched
@@ -33,7 +33,7 @@ _COUNT = re.compile(rb'"count"\s*:\s*(\d+)')
 # The chat fields vLLM's /tokenize takes and renders as its chat completions do
 # (vllm/entrypoints/serve/tokenize/protocol.py TokenizeChatRequest). Everything else the
 # client sent is left out: a field /tokenize would not render is a feature the verified
-# table does not list for this path, so such a request never gets here (tokens.verified).
+# table does not list for this path, so such a request never gets here (tokens.gate.verified).
 VLLM_TOKENIZE_CHAT_FIELDS = (
     "messages",
     "tools",

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
-from kvproxy.tokens.bounds import (
+from kvproxy.tokens.bound import (
     EXACT_CHUNK_CHARS,
     NFC_MAX_EXPANSION,
     BoundRule,
@@ -45,8 +45,12 @@ from kvproxy.tokens.bounds import (
     segment_chunks,
     text_bound,
 )
-from kvproxy.tokens.hfbuild import dumps, engine_pipelines
-from kvproxy.tokens.templates import ChatTemplate, from_tokenizer_dir_files
+from kvproxy.tokens.replica import (
+    ChatTemplate,
+    dumps,
+    engine_pipelines,
+    from_tokenizer_dir_files,
+)
 
 # Chunks per tokenizer call (~256 K characters): the call still runs in parallel, and
 # freeing its results (HF keeps a Python-owned Encoding per chunk, one String per token)
@@ -107,7 +111,7 @@ class EarlyStopping(Protocol):
 @dataclass
 class HfTokenizer:
     """HF `tokenizers` (the reference), chunked and batched; also the base of the fastokens
-    backend (`kvproxy.tokens.fast`), which differs only in the call that encodes a batch."""
+    backend (`kvproxy.tokens.exact.fast`), which differs only in the call that encodes a batch."""
 
     tokenizer: Any
     bound_rule: BoundRule | None

@@ -1,4 +1,4 @@
-"""Loops in the template proof (see `tokens.proof`): how a `for` sums its body's output over
+"""Loops in the template proof (see `tokens.bound.proof`): how a `for` sums its body's output over
 its iterations, and the invariants namespace attributes keep across them. Pure.
 """
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import jinja2.nodes as nodes
 
-import kvproxy.tokens.proof.sizes as sz
-from kvproxy.tokens.proof.core import Core
-from kvproxy.tokens.proof.sizes import (
+import kvproxy.tokens.bound.proof.sizes as sz
+from kvproxy.tokens.bound.proof.core import Core
+from kvproxy.tokens.bound.proof.sizes import (
     ANY,
     DICT,
     LIST,
@@ -23,7 +23,7 @@ from kvproxy.tokens.proof.sizes import (
     Unproven,
     Value,
 )
-from kvproxy.tokens.proof.state import Loop, State, concat, join_all, key_of
+from kvproxy.tokens.bound.proof.state import Loop, State, concat, join_all, key_of
 
 
 class Loops(Core):

@@ -1,4 +1,4 @@
-"""Size algebra for the template proof (`tokens.proof`): polynomials over measures of the data
+"""Size algebra for the template proof (`tokens.bound.proof`): polynomials over measures of the data
 a chat template receives, and the values a template computes. Pure, no I/O.
 
 A *measure* of the data at a *path* is one of:
@@ -22,7 +22,7 @@ A `Poly` is a polynomial with non-negative integer coefficients over variables
 (measure, path); its constant term is `()`. Every size the proof computes is an upper bound
 built only from sums, products and coefficient-wise maxima of such polynomials, so each
 bound stays monotone in every measure. `multipliers` turns a polynomial over the roots'
-variables into per-root factors that a request's measures (tokens.measure) are multiplied
+variables into per-root factors that a request's measures (tokens.bound.measure) are multiplied
 by: the largest number of times one byte (or one value) can be printed, over every
 position the data could occupy (a normalisation may move data anywhere inside its root).
 
@@ -202,7 +202,7 @@ class Value:
     n: Poly | None = None
     obj: Any = None
     # A case mapping (lower, upper, ...) of client text flowed in: it may create combining
-    # characters NFC then composes differently (tokens.guarantee charges NFC's factor).
+    # characters NFC then composes differently (tokens.bound.guarantee charges NFC's factor).
     case_mapped: bool = False
     # Evaluating it certainly raises (an attribute of Undefined, `+` with Undefined,
     # raise_exception): the render fails and nothing is sent, so the path prints nothing.
@@ -405,7 +405,7 @@ def utf8(s: str) -> int:
 
 
 def longest(s: str) -> int:
-    """Longest printed form of a constant string (see `tokens.measure.string_forms`)."""
+    """Longest printed form of a constant string (see `tokens.bound.measure.string_forms`)."""
     import json
 
     return max(

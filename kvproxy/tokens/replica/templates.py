@@ -46,11 +46,11 @@ import jinja2.sandbox
 
 from kvproxy.policy import KvproxyError, invalid_request
 from kvproxy.prompt import SequencePrompt
-from kvproxy.tokens import chatnorm
-from kvproxy.tokens.chatnorm import ENGINE_KINDS, SPECIAL_TOKEN_KEYS, EngineKind
-from kvproxy.tokens.sandbox import Sandbox as _Sandbox
-from kvproxy.tokens.sandbox import environment as _environment
-from kvproxy.tokens.sandbox import tojson as _tojson
+from kvproxy.tokens.replica import chatnorm
+from kvproxy.tokens.replica.chatnorm import ENGINE_KINDS, SPECIAL_TOKEN_KEYS, EngineKind
+from kvproxy.tokens.replica.sandbox import Sandbox as _Sandbox
+from kvproxy.tokens.replica.sandbox import environment as _environment
+from kvproxy.tokens.replica.sandbox import tojson as _tojson
 
 # Strings at least this long are rendered as placeholders (see module docstring).
 BIG_CHARS = 65_536

@@ -1,7 +1,7 @@
-"""Expressions, filters, methods and calls for the template proof (`tokens.proof`). Pure.
+"""Expressions, filters, methods and calls for the template proof (`tokens.bound.proof`). Pure.
 
 Each operation maps upper bounds on its operands' measures to upper bounds on its result's
-(`tokens.proof.sizes`). Growth factors are argued where they are defined; an operation with no
+(`tokens.bound.proof.sizes`). Growth factors are argued where they are defined; an operation with no
 proven bound raises `Unproven` naming it. Never renders anything.
 """
 
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2.nodes as nodes
 
-import kvproxy.tokens.proof.sizes as sz
-from kvproxy.tokens.proof.filters import (
+import kvproxy.tokens.bound.proof.sizes as sz
+from kvproxy.tokens.bound.proof.filters import (
     Filters,
     _bool,
     _case,
@@ -23,7 +23,7 @@ from kvproxy.tokens.proof.filters import (
     _split,
     _string,
 )
-from kvproxy.tokens.proof.sizes import (
+from kvproxy.tokens.bound.proof.sizes import (
     BOOL,
     DICT,
     LIST,
@@ -36,8 +36,8 @@ from kvproxy.tokens.proof.sizes import (
 )
 
 if TYPE_CHECKING:
-    from kvproxy.tokens.proof.state import Analyzer as _Analyzer
-    from kvproxy.tokens.proof.state import State
+    from kvproxy.tokens.bound.proof.state import Analyzer as _Analyzer
+    from kvproxy.tokens.bound.proof.state import State
 
 # strftime: the longest expansion of one directive in the C locale is %c (24 characters).
 STRFTIME_DIRECTIVE = 32

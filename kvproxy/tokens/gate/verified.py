@@ -2,10 +2,11 @@
 a request, feature by feature. Data the gate executes, plus the lookup. Pure, no I/O.
 
 kvproxy's exact chat count renders its replica of the engine's request normalisation
-(`tokens.chatnorm` + `tokens.templates`). A gap in that replica under-counts, so the exact
-count may admit a request only when *every* feature it uses (`tokens.features`) is listed
-here for the engine kind, the engine version and the router between kvproxy and the engines;
-otherwise the request is decided by the guaranteed bound alone (`TokenCounter`).
+(`tokens.replica.chatnorm` + `tokens.replica.templates`). A gap in that replica
+under-counts, so the exact count may admit a request only when *every* feature it uses
+(`tokens.gate.features`) is listed here for the engine kind, the engine version and the
+router between kvproxy and the engines; otherwise the request is decided by the guaranteed
+bound alone (`TokenCounter`).
 
 An entry is evidence, not opinion: each names the test that holds kvproxy's count equal to
 an independent oracle of that engine's preprocessing (tests/oracles, written from the
@@ -32,14 +33,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvproxy.tokens.features import FEATURES, Feature
+from kvproxy.tokens.gate.features import FEATURES, Feature
 
 RouterKind = Literal["none", "smg", "sglang-router", "vllm-router"]
 ROUTER_KINDS: tuple[RouterKind, ...] = ("none", "smg", "sglang-router", "vllm-router")
 ALL_ROUTERS: frozenset[RouterKind] = frozenset(ROUTER_KINDS)
 EngineName = Literal["sglang", "vllm"]
 # How the exact count is made: kvproxy's render of its normalisation replica, or the
-# engine's own /tokenize rendering the client's chat fields (vLLM only, tokens.engine).
+# engine's own /tokenize rendering the client's chat fields (vLLM only, tokens.exact.engine).
 Method = Literal["replica", "engine"]
 
 Version = tuple[int, ...]
@@ -106,7 +107,7 @@ PLAIN_CHAT: frozenset[Feature] = frozenset(
 # Prompts that are strings or token ids: no normalisation at all, only the tokenizer and the
 # special tokens it adds. Where tokenizer.json's post-processor and tokenizer_config.json
 # disagree on those (DeepSeek-V3: the config asks for a BOS transformers 5 does not add),
-# kvproxy counts the larger and calls the count an upper bound, not exact (tokens.local).
+# kvproxy counts the larger and calls the count an upper bound, not exact (tokens.exact.local).
 PLAIN_PROMPTS: frozenset[Feature] = frozenset(
     {"route:completions", "prompt:text", "prompt:ids", "prompt:batch"}
 )

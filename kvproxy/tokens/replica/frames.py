@@ -45,9 +45,9 @@ import jinja2
 import jinja2.nodes
 
 from kvproxy.prompt import SequencePrompt
-from kvproxy.tokens import chatnorm
-from kvproxy.tokens import templates as _t
-from kvproxy.tokens.sandbox import environment as _environment
+from kvproxy.tokens.replica import chatnorm
+from kvproxy.tokens.replica import templates as _t
+from kvproxy.tokens.replica.sandbox import environment as _environment
 
 MAX_SHAPES = 512
 MAX_NODES = 64

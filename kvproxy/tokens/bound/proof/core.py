@@ -1,4 +1,4 @@
-"""The template proof's analysis state and statements (see `tokens.proof`): the names and
+"""The template proof's analysis state and statements (see `tokens.bound.proof`): the names and
 namespace attributes known at each point, the type refinements `is` and `==` tests give,
 and how output, branches and assignments combine. Loops are in `loops`, macros and the
 entry point in `prove`, expressions in `ops`. Pure; never renders a template.
@@ -12,9 +12,9 @@ from typing import Any
 
 import jinja2.nodes as nodes
 
-import kvproxy.tokens.proof.sizes as sz
-from kvproxy.tokens.proof.ops import Ops
-from kvproxy.tokens.proof.sizes import (
+import kvproxy.tokens.bound.proof.sizes as sz
+from kvproxy.tokens.bound.proof.ops import Ops
+from kvproxy.tokens.bound.proof.sizes import (
     ANY,
     BOOL,
     DICT,
@@ -26,7 +26,7 @@ from kvproxy.tokens.proof.sizes import (
     Unproven,
     Value,
 )
-from kvproxy.tokens.proof.state import (
+from kvproxy.tokens.bound.proof.state import (
     FIXED_ROOTS,
     GLOBALS,
     KW,

@@ -3,24 +3,24 @@ only (DESIGN.md, round-3 amendment to I1). Pure.
 
     g = ChatGuarantee.build(template, rule, special_tokens)   # at start (runs the proof)
     g.quick(raw, body, route)        # O(1) in the body's size: None when it does not apply
-    g.tokens(body, route, media)     # the walk over every field (tokens.measure); media:
+    g.tokens(body, route, media)     # the walk over every field (tokens.bound.measure); media:
                                      # the request's media cost (prompt.media), in tokens
 
-The template's proof (`tokens.proof`) bounds its output in bytes by a polynomial over the
+The template's proof (`tokens.bound.proof`) bounds its output in bytes by a polynomial over the
 measures of what it is handed; this module turns that into factors per input, and a
-request's measures (`tokens.measure`) into tokens:
+request's measures (`tokens.bound.measure`) into tokens:
 
     bytes  <= static + sum over leaves of the worst a*P + b*X (the template's frontier)
               + per value: the loop text printed for it (child / deep factors)
               + depth mass x indent + cross terms (accumulators printed in loops)
               + what engines add (default fields, per object) + special-token values
     tokens <= bytes (byte-level BPE without normaliser), or 3 x bytes under NFC unless every
-              string is NFD-normalized or NFC without combining marks (tokens.bounds)
+              string is NFD-normalized or NFC without combining marks (tokens.bound.bounds)
               + the special tokens a post-processor may add + the media's cost (prompt.media).
 
 Every input is position-agnostic within its part of the request: data may sit at whatever
 role, key or depth an engine moves it to, so each byte is charged the worst chain of the
-template's coefficients (tokens.sizes). The client's `messages` reach the template's
+template's coefficients (tokens.bound.proof.sizes). The client's `messages` reach the template's
 `messages`, its `tools`/`functions` the template's `tools` (both engines pass them so:
 SGLang serving_chat.py `_apply_jinja_template`, vLLM chat_utils.py
 `apply_hf_chat_template`); everything else in the body (chat_template_kwargs, documents,
@@ -41,11 +41,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvproxy.tokens import measure as ms
-from kvproxy.tokens.bounds import NFC_MAX_EXPANSION, BoundRule
-from kvproxy.tokens.features import INERT_KEYS
-from kvproxy.tokens.proof import KW, TemplateProof, Unproven, prove
-from kvproxy.tokens.proof import sizes as sz
+from kvproxy.tokens.bound import measure as ms
+from kvproxy.tokens.bound.bounds import NFC_MAX_EXPANSION, BoundRule
+from kvproxy.tokens.bound.proof import KW, TemplateProof, Unproven, prove
+from kvproxy.tokens.bound.proof import sizes as sz
+from kvproxy.tokens.gate import INERT_KEYS
 
 ROUTE_ROOTS: dict[str, dict[str, str]] = {
     # top-level key -> root, per route; every other key is the bag.
@@ -245,7 +245,7 @@ class ChatGuarantee:
     # --- the walk ---------------------------------------------------------------------------
 
     def tokens(self, body: Mapping[str, Any], route: str, media_tokens: int) -> int | None:
-        """The bound from every field of the parsed body (tokens.measure), plus
+        """The bound from every field of the parsed body (tokens.bound.measure), plus
         `media_tokens`, what the request's media become (prompt.media, summed over every
         item); None when the tokenizer has no byte bound."""
         if self.rule is None:

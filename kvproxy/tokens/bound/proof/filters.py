@@ -1,4 +1,4 @@
-"""Filters for the template proof (see `tokens.proof.ops`): jinja2's filters and
+"""Filters for the template proof (see `tokens.bound.proof.ops`): jinja2's filters and
 transformers' `tojson`, each mapping bounds on its input to bounds on its output. Pure.
 """
 
@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import jinja2.nodes as nodes
 
-import kvproxy.tokens.proof.sizes as sz
-from kvproxy.tokens.proof.sizes import (
+import kvproxy.tokens.bound.proof.sizes as sz
+from kvproxy.tokens.bound.proof.sizes import (
     ANY,
     BOOL,
     LIST,
@@ -23,8 +23,8 @@ from kvproxy.tokens.proof.sizes import (
 )
 
 if TYPE_CHECKING:
-    from kvproxy.tokens.proof.state import Analyzer as _Analyzer
-    from kvproxy.tokens.proof.state import State
+    from kvproxy.tokens.bound.proof.state import Analyzer as _Analyzer
+    from kvproxy.tokens.bound.proof.state import State
 
 # str.lower/upper/title/capitalize/swapcase/casefold grow a character's UTF-8 bytes at most
 # 3x ('ΐ' -> 'Ϊ́', 2 -> 6 bytes); tests/tokens/test_tokens_proof.py checks every code point.

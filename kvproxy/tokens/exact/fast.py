@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvproxy.tokens.local import HfTokenizer, load_hf_pipelines, release_load_garbage
+from kvproxy.tokens.exact.local import HfTokenizer, load_hf_pipelines, release_load_garbage
 
 log = logging.getLogger("kvproxy.tokens")
 

@@ -46,7 +46,7 @@ import jinja2
 import jinja2.nodes
 
 from kvproxy.prompt import REFUSED_TEMPLATE_KWARGS as REFUSED_KWARGS
-from kvproxy.tokens.sandbox import Sandbox, environment
+from kvproxy.tokens.replica.sandbox import Sandbox, environment
 
 EngineKind = Literal["sglang", "vllm"]
 ContentFormat = Literal["string", "openai"]

@@ -4,8 +4,8 @@ For each part of the request an engine could hand the template (`messages`, `too
 `bag` of every other top-level field: chat_template_kwargs, documents, reasoning fields,
 tool_choice, response_format, fields nobody models), the walk sums, over every string (value
 or key), number, boolean and null, the cost of printing it at the template's worst position
-(`a * P + b * X` over the proof's frontier, tokens.sizes), and counts its values and their
-depths. Measures are taken in their longest printed form:
+(`a * P + b * X` over the proof's frontier, tokens.bound.proof.sizes), and counts its values
+and their depths. Measures are taken in their longest printed form:
 
   * strings: P = UTF-8 bytes; X = a bound on the longest of `json.dumps` (ASCII-escaped or
     not) and `repr`, quotes included, summed per character (`_sizes`). A string an engine may
@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvproxy.tokens import bounds
+from kvproxy.tokens.bound import bounds
 
 # What engines add to the objects they dump for the template, beyond what the client sent
 # (bytes, and the values they add, by depth below the object's parent), per kind of object:
@@ -92,7 +92,7 @@ class RootMeasure:
     depth: int = 0  # sum of every value's depth (I)
     added_bytes: int = 0  # bytes engines add (charged at the worst position)
     # Per key: [P, X, C, D] of everything under any value of that key (C: the children of
-    # those values themselves), for the template's cross terms (tokens.guarantee).
+    # those values themselves), for the template's cross terms (tokens.bound.guarantee).
     under: dict[str, list[int]] = field(default_factory=dict)
 
     def keyed(self, key: str) -> list[int]:

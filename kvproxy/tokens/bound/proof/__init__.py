@@ -6,8 +6,8 @@ normalisation moves that data to. Pure, no I/O; runs once per template at start-
 `loops` are the abstract interpreter's parts and are private to this package.
 """
 
-from kvproxy.tokens.proof import sizes
-from kvproxy.tokens.proof.prove import KW, TemplateProof, prove
-from kvproxy.tokens.proof.sizes import Unproven
+from kvproxy.tokens.bound.proof import sizes
+from kvproxy.tokens.bound.proof.prove import KW, TemplateProof, prove
+from kvproxy.tokens.bound.proof.sizes import Unproven
 
 __all__ = ["KW", "TemplateProof", "Unproven", "prove", "sizes"]

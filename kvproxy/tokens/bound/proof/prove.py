@@ -2,7 +2,7 @@
 handed, whatever that data is. Pure, no I/O; runs once per template at start-up.
 
 `prove(source)` interprets the template's jinja2 AST abstractly (the algebra is
-`tokens.proof.sizes`): every expression evaluates to upper bounds on its measures, every output
+`proof.sizes`): every expression evaluates to upper bounds on its measures, every output
 node adds the printed size of what it prints, and the result is a polynomial over the
 measures of the template's inputs (`messages`, `tools`, `documents`, and every name the
 template reads without setting it: the request's chat_template_kwargs and the tokenizer's
@@ -24,7 +24,7 @@ its arguments' measures; the body under that hypothesis must stay within it).
 
 Anything whose output size the proof cannot bound (an unknown filter or method, string
 repetition by a request value, `{% include %}`, autoescape...) raises `Unproven` naming it:
-for that template, the guarantee falls back to no shortcut (tokens.guarantee).
+for that template, the guarantee falls back to no shortcut (tokens.bound.guarantee).
 
 Never renders the template, never sees a request.
 """
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import jinja2
 import jinja2.nodes as nodes
 
-import kvproxy.tokens.proof.sizes as sz
-from kvproxy.tokens.proof.loops import Loops
-from kvproxy.tokens.proof.sizes import (
+import kvproxy.tokens.bound.proof.sizes as sz
+from kvproxy.tokens.bound.proof.loops import Loops
+from kvproxy.tokens.bound.proof.sizes import (
     DICT,
     LIST,
     STR,
@@ -47,8 +47,8 @@ from kvproxy.tokens.proof.sizes import (
     Unproven,
     Value,
 )
-from kvproxy.tokens.proof.state import FIXED_ROOTS, GLOBALS, KW, MAX_FIXPOINT, State
-from kvproxy.tokens.sandbox import Sandbox, environment
+from kvproxy.tokens.bound.proof.state import FIXED_ROOTS, GLOBALS, KW, MAX_FIXPOINT, State
+from kvproxy.tokens.replica import Sandbox, environment
 
 __all__ = ["FIXED_ROOTS", "GLOBALS", "KW", "TemplateProof", "prove"]
 
@@ -58,7 +58,7 @@ class TemplateProof:
     """The proven output size: `out` is a polynomial over the roots' measures bounding the
     bytes of any render. `kwargs` are the names the template reads that a request or the
     tokenizer may supply; `case_mapped` is set when a case mapping of request text can reach
-    the output (NFC may then compose it differently, tokens.guarantee)."""
+    the output (NFC may then compose it differently, tokens.bound.guarantee)."""
 
     out: Poly
     kwargs: frozenset[str]

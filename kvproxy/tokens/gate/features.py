@@ -2,9 +2,9 @@
 way. Pure, sans-IO: a parsed body (and its route) in, a set of feature names out.
 
 kvproxy's exact chat count renders its *replica* of the engine's request normalisation
-(`tokens.chatnorm`). The replica is only as good as the bodies it was proven on, so the
+(`tokens.replica.chatnorm`). The replica is only as good as the bodies it was proven on, so the
 exact count may admit a request only when every feature the request uses is in the verified
-table for the engines and router in front (`tokens.verified`); anything else is decided by
+table for the engines and router in front (`tokens.gate.verified`); anything else is decided by
 the guaranteed bound alone. This module names the features; it never decides.
 
 The vocabulary is closed and small (every name is a constant of `FEATURES`): feature names
