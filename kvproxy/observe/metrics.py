@@ -461,7 +461,7 @@ FAMILIES: tuple[Family, ...] = (
         ("feature", "model"),
         "Requests whose exact count was withheld because they use a request feature not "
         "verified for the engines and router in front (decided by the bound instead), "
-        "by feature (a closed vocabulary, kvproxy.tokens.features) and model.",
+        "by feature (a closed vocabulary, kvproxy.tokens.gate.features) and model.",
     ),
     Family(
         "token_bound_exceeded",
