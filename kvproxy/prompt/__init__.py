@@ -3,8 +3,9 @@
 `parse_request` is the one entry point; `SequencePrompt` is one sequence the engine will
 prefill and `PromptShape` a whole request. The closed world's gates are public too:
 `FieldPolicy` (every field classified per engine version, `request_template`) and
-`MediaPolicy` / `ImageProcessor` (media priced from the media). Everything else in this
-package is private.
+`MediaPolicy` / `ImageProcessor` (media priced from the media). `load_json_in_steps` parses
+a large body as `load_json` does, in bounded steps the caller drives (the event loop runs
+between them). Everything else in this package is private.
 """
 
 from kvproxy.prompt.chat import REFUSED_TEMPLATE_KWARGS
@@ -13,6 +14,7 @@ from kvproxy.prompt.media import ImageProcessor, MediaPolicy
 from kvproxy.prompt.parse import parse_request
 from kvproxy.prompt.prompt_only import MODELED_KEYS, RERANK_OVERHEAD_TOKENS
 from kvproxy.prompt.shape import MAX_N, MAX_OUTPUT_TOKENS, PromptShape, SequencePrompt, load_json
+from kvproxy.prompt.sliced import load_json as load_json_in_steps
 
 __all__ = [
     "MAX_N",
@@ -26,6 +28,7 @@ __all__ = [
     "PromptShape",
     "SequencePrompt",
     "load_json",
+    "load_json_in_steps",
     "parse_request",
     "request_template",
 ]

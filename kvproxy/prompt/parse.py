@@ -41,9 +41,13 @@ from kvproxy.prompt.shape import (
 _CORE_ROUTES: frozenset[Route] = frozenset({"chat", "completions", "generate"})
 
 
-def parse_request(route: Route, body: bytes) -> PromptShape:
-    """Parse one request body. Raises a `KvproxyError` (400) naming the offending field."""
-    data = load_json(body)
+def parse_request(route: Route, body: bytes, data: dict[str, Any] | None = None) -> PromptShape:
+    """Parse one request body. Raises a `KvproxyError` (400) naming the offending field.
+
+    `data`: the body already parsed as a JSON object (a large body, parsed in steps by
+    kvproxy.serve.body); the shape is the same as from `body` alone."""
+    if data is None:
+        data = load_json(body)
     _refuse_uncountable(data)
     if route not in _CORE_ROUTES:
         return converted.parse(route, data, body)

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from kvproxy.policy import Route, invalid_request, record
+from kvproxy.policy import KvproxyError, Route, invalid_request, record
 
 # Requests asking for more than 2**31 - 1 output tokens or 128 choices are malformed, not big:
 # OpenAI caps n at 128 and engines store max_tokens as int32.
@@ -100,15 +100,21 @@ def load_json(body: bytes) -> dict[str, Any]:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        # orjson's message says what is wrong (invalid UTF-8, depth, syntax) and where, without
-        # quoting the document.
-        reason = str(exc).split(":", 1)[0]
-        raise invalid_request(
-            f"request body is not valid JSON ({reason}, at byte {exc.pos})", None
-        ) from None
+        raise not_json(exc) from None
     if not isinstance(data, dict):
-        raise invalid_request("request body must be a JSON object", None)
+        raise invalid_request(NOT_AN_OBJECT, None)
     return data
+
+
+NOT_AN_OBJECT = "request body must be a JSON object"
+
+
+def not_json(exc: orjson.JSONDecodeError) -> KvproxyError:
+    """The 400 for a body orjson could not parse."""
+    # orjson's message says what is wrong (invalid UTF-8, depth, syntax) and where, without
+    # quoting the document.
+    reason = str(exc).split(":", 1)[0]
+    return invalid_request(f"request body is not valid JSON ({reason}, at byte {exc.pos})", None)
 
 
 def _bounded_int(value: Any, param: str, low: int, high: int, default: int) -> int:

@@ -21,7 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvproxy.observe import IMPLICIT_UPSTREAM, rounded
-from kvproxy.policy import Admit, ErrorStyle, TokenCount
+from kvproxy.policy import Admit, ErrorStyle, KvproxyError, TokenCount
 from kvproxy.prompt import PromptShape
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ _NOT_LOGGED = frozenset(
     {
         "request", "services", "state", "match", "style", "body", "headers", "reply_headers",
         "model_services", "cluster", "shape", "count", "verdict", "lease", "started",
-        "unclamped", "tried", "body_memory", "body_at",
+        "unclamped", "tried", "body_memory", "body_at", "parsed",
     }
 )  # fmt: skip
 
@@ -108,6 +108,9 @@ class RequestContext:
     duration_s: float = 0.0
     # --- what the stages build --------------------------------------------------------
     body: bytes = b""
+    # A large body parsed in steps as it was decoded (kvproxy.serve.body.parse_large), or
+    # the error that gave; None for a small body (parsed where it is used, in one call).
+    parsed: dict[str, Any] | KvproxyError | None = None
     # The headers going upstream (filtered, X-Request-ID set, tenant headers stripped).
     headers: CIMultiDict[str] = field(default_factory=CIMultiDict)
     # Headers added to whatever kvproxy answers (X-Request-ID, the decision, the count).

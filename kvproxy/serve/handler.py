@@ -42,7 +42,15 @@ from kvproxy.observe import ACCESS_LOGGER, emit_access
 from kvproxy.policy import KvproxyError, admission, clamp_output, errors, routing
 from kvproxy.prompt import parse_request
 from kvproxy.response import CanaryScanner
-from kvproxy.serve.body import content_coding, decode, forwarded_headers, read_arrived, read_raw
+from kvproxy.serve.body import (
+    LARGE_BODY_BYTES,
+    content_coding,
+    decode,
+    forwarded_headers,
+    parse_large,
+    read_arrived,
+    read_raw,
+)
 from kvproxy.serve.context import RequestContext, new_request_id
 from kvproxy.serve.headers import filter_headers, request_head_error, set_forwarded_for
 from kvproxy.serve.overload import BodyReservation
@@ -376,12 +384,16 @@ async def decode_body(ctx: RequestContext) -> Stop | None:
     # The answer must come back uncompressed: the tripwire, the SSE reader and the usage
     # drift check read its bytes, and compressed bytes would hide a foreign marker.
     ctx.headers["Accept-Encoding"] = "identity"
+    if len(decoded.data) > LARGE_BODY_BYTES:
+        # Parsed now, in steps the loop runs between; its 400, if any, is given where a
+        # small body's would be (pick_model, admit), so both decide alike.
+        ctx.parsed = await parse_large(decoded.data)
     return None
 
 
 def pick_model(ctx: RequestContext) -> Stop | None:
     # The model the request names picks the capacity, counter and budget (serve.models).
-    found = ctx.services.models.for_request(ctx.body)
+    found = ctx.services.models.for_request(ctx.body, ctx.parsed)
     if isinstance(found, KvproxyError):
         return found
     ctx.model_services = found
@@ -399,8 +411,11 @@ async def admit(ctx: RequestContext) -> Stop | None:
     clusters = svc.clusters
     if not any(admission.limits_known(c.limits()) for c in clusters):
         return errors.capacity_unknown(svc.retry_after_s(), ctx.services.models.unknown_why(svc))
+    parsed = ctx.parsed
+    if isinstance(parsed, KvproxyError):
+        return parsed
     try:
-        shape = parse_request(route, ctx.body)
+        shape = parse_request(route, ctx.body, parsed)
         ceiling = routing.count_ceiling(clusters, shape, policy) or 0
         t0 = time.perf_counter()
         count = await svc.counter.count(shape, ceiling, svc.charge_ceiling(shape))

@@ -277,14 +277,22 @@ class ModelTable:
                 return found
         return self.default
 
-    def for_request(self, body: bytes) -> ModelServices | KvproxyError:
-        """The request path's one lookup (a counted route's decoded body)."""
+    def for_request(
+        self, body: bytes, parsed: dict[str, Any] | KvproxyError | None = None
+    ) -> ModelServices | KvproxyError:
+        """The request path's one lookup (a counted route's decoded body; `parsed`: that
+        body already parsed, or the error parsing it gave)."""
         if self.implicit:
             return self.models[0]
-        try:
-            data = load_json(body)
-        except KvproxyError as err:
-            return err  # the same 400 parse_request would give
+        if isinstance(parsed, KvproxyError):
+            return parsed
+        if parsed is not None:
+            data = parsed
+        else:
+            try:
+                data = load_json(body)
+            except KvproxyError as err:
+                return err  # the same 400 parse_request would give
         raw = data.get("model")
         if raw is not None and not isinstance(raw, str):
             return errors.invalid_request("model must be a string", "model")

@@ -616,14 +616,38 @@ def unmodeled_keys(shape: PromptShape) -> list[str]:
 _MEDIA_MARKERS = (b"image", b"video", b"audio", b"mm_processor", b"media_io")
 
 
+# Above this many body bytes the scans cost more than prompt.media's walk of a body with few
+# values (5 scans of a 4 MB prompt: ~20 ms of one core, on the event loop; the walk of a chat
+# of a few messages: ~10 us).
+_SCAN_BYTES = 65_536
+_FEW_VALUES = 4_096
+
+
 def _may_hold_media(shape: PromptShape) -> bool:
-    """Whether prompt.media must look at this request (a few C-speed scans otherwise)."""
+    """Whether prompt.media must look at this request (a few C-speed scans otherwise; a
+    large body of few values is walked instead, which is cheaper than scanning its bytes)."""
     raw = shape.raw
-    if not raw:
+    if not raw or (len(raw) > _SCAN_BYTES and _few_values(shape.body, _FEW_VALUES)):
         return True
     return any(m in raw for m in _MEDIA_MARKERS) or any(
         k in shape.body for k in ("max_dynamic_patch", "min_dynamic_patch")
     )
+
+
+def _few_values(body: Any, most: int) -> bool:
+    """Whether the parsed body holds at most `most` JSON values (stops counting past it)."""
+    pending = [body]
+    seen = 0
+    while pending:
+        value = pending.pop()
+        seen += 1
+        if seen > most:
+            return False
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return True
 
 
 def _small(shape: PromptShape) -> bool:

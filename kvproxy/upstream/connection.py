@@ -432,8 +432,9 @@ class Connection(asyncio.Protocol):
 
     async def send_rest(self, body: bytes) -> None:
         """Write a large body in pieces, waiting for the socket to drain between them (at
-        most the send timeout each time). Stops when the response head (or a failure) comes
-        first: RFC 9112 §9.5 has a client stop sending a body the server answered without."""
+        most the send timeout each time), or else for the loop's next turn. Stops when the
+        response head (or a failure) comes first: RFC 9112 §9.5 has a client stop sending a
+        body the server answered without."""
         view = memoryview(body)
         head = self.head
         assert head is not None
@@ -443,6 +444,11 @@ class Connection(asyncio.Protocol):
                     raise ConnectionResetError("the upstream closed the connection mid-request")
                 if self._write_paused:
                     await self._wait_drained()
+                elif start:
+                    # A socket that takes every piece at once (loopback, a fast peer) would
+                    # have them all written in one step of the loop: each write is a send()
+                    # of the piece, so the loop is handed back between them.
+                    await asyncio.sleep(0)
                 if head.done():
                     self.reusable = False
                     return
