@@ -194,11 +194,24 @@ def _high_surrogate(body: bytes, pos: int) -> bool:
 
 
 def _substitute(tree: Any, strings: list[str]) -> Generator[None, None, Any]:
-    """The skeleton's markers replaced by their strings, in place; a marker as an object key
-    (a key of LONG_LITERAL_BYTES) is parsed whole."""
+    """The skeleton's markers replaced by their strings, in place. Each marker must be met
+    exactly once, as a value: a short string of the body that *decodes* to a marker's text
+    (written with escapes, so the byte check in `_sliced` cannot see it) would otherwise be
+    replaced too, and kvproxy would read another request than the engine. A marker met twice
+    or as an object key, or one not met (a duplicate key dropped it), is parsed whole."""
     marks = {f"{_MARK.decode()}{i}": s for i, s in enumerate(strings)}
     if isinstance(tree, str):
-        return marks.get(tree, tree)
+        if len(strings) != 1 or tree not in marks:
+            raise _Whole
+        return marks[tree]
+    met: set[str] = set()
+
+    def take(value: str) -> str:
+        if value in met:
+            raise _Whole
+        met.add(value)
+        return marks[value]
+
     stack: list[Any] = [tree]
     walked = 0
     while stack:
@@ -212,14 +225,16 @@ def _substitute(tree: Any, strings: list[str]) -> Generator[None, None, Any]:
                     raise _Whole
                 if isinstance(value, str):
                     if value in marks:
-                        node[key] = marks[value]
+                        node[key] = take(value)
                 elif isinstance(value, (dict, list)):
                     stack.append(value)
         elif isinstance(node, list):
             for i, value in enumerate(node):
                 if isinstance(value, str):
                     if value in marks:
-                        node[i] = marks[value]
+                        node[i] = take(value)
                 elif isinstance(value, (dict, list)):
                     stack.append(value)
+    if len(met) != len(strings):
+        raise _Whole
     return tree

@@ -125,6 +125,32 @@ def test_the_marker_in_a_body_is_never_taken_for_a_literal() -> None:
     assert run(sliced.loads(body))[0] == {"a": "x" * 60, "b": "kvproxy-sliced-literal-0"}
 
 
+# The marker's text reached through escapes: the byte check cannot see it, the parsed
+# skeleton holds it. As a value, a key, twice, and a long literal a duplicate key drops.
+ESCAPED_MARK = b'"kvproxy-sliced-literal\\u002d0"'
+LONG = b'"' + b"x" * 60 + b'"'
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": ' + ESCAPED_MARK + b', "a": ' + LONG + b"}",
+        b'{"a": ' + LONG + b', "model": ' + ESCAPED_MARK + b"}",
+        b'{"a": ' + LONG + b", " + ESCAPED_MARK + b": 1}",
+        b"[" + LONG + b", " + ESCAPED_MARK + b", " + ESCAPED_MARK + b"]",
+        b'{"a": ' + LONG + b', "a": "short"}',
+        b'{"a": ' + LONG + b', "b": {"c": [' + ESCAPED_MARK + b"]}}",
+    ],
+    ids=["value-before", "value-after", "key", "twice", "dropped-by-duplicate", "nested"],
+)
+def test_a_string_that_decodes_to_a_marker_is_parsed_as_one_call_would(
+    body: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The escaped marker (31 bytes) must be a short literal, kept in the skeleton.
+    monkeypatch.setattr(sliced, "LONG_LITERAL_BYTES", 40)
+    same(body)
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
