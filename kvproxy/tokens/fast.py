@@ -32,10 +32,12 @@ This module logs only the tokenizer's path and probe names, never request text (
 
 from __future__ import annotations
 
+import array
 import contextlib
 import gc
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,10 +97,7 @@ class FastTokenizer(HfTokenizer):
     uncut_tokens_max: ClassVar[int | None] = None
 
     def _tokens_with(self, tok: Any, batch: list[str]) -> int:
-        # encode_batch releases the GIL (inputs >= 16 KB) and, with FASTOKENS_BPE_THREADS=1,
-        # runs on this thread only.
-        encodings = tok.encode_batch(batch, add_special_tokens=False)
-        return sum(len(e) for e in encodings)
+        return len(flat_ids(tok, batch, specials=False)) // 4
 
 
 def load_hf_counting(
@@ -189,8 +188,8 @@ def disagreement(
                 where = f"probe {name!r}" + (f" (pipeline {k})" if k else "")
                 for specials in (False, True):
                     want = ref.encode_batch_fast([text], add_special_tokens=specials)[0].ids
-                    got = tok.encode(text, add_special_tokens=specials).ids
-                    if list(got) != list(want):
+                    got = _ids(flat_ids(tok, [text], specials=specials))
+                    if got != list(want):
                         return (
                             f"{where}, add_special_tokens={specials}: "
                             f"{len(got)} vs {len(want)} tokens"
@@ -208,6 +207,29 @@ def disagreement(
             raise
         return f"encoding failed: {_first_line(exc)}"
     return None
+
+
+def flat_ids(tok: Any, batch: list[str], *, specials: bool) -> bytes:
+    """The token ids of every text of `batch`, concatenated: 4 little-endian bytes each.
+
+    `encode_batch_flat` rather than `encode`/`encode_batch`: those build, on their first
+    call, fastokens' table of one Python int per vocabulary id (+6 MiB RSS for Qwen-3's
+    151 K ids) to hand ids out as lists; counting needs only their number. Like
+    encode_batch it releases the GIL (inputs >= 16 KB) and, with FASTOKENS_BPE_THREADS=1,
+    runs on this thread only; it is as fast (bench: 86 K-token prompts, 0.79 vs 0.88 ms).
+    The start-up check compares these very ids with HF's, so the path that counts is the
+    path that was verified.
+    """
+    ids: bytes = tok.encode_batch_flat(batch, add_special_tokens=specials)[0]
+    return ids
+
+
+def _ids(flat: bytes) -> list[int]:
+    out = array.array("I")
+    out.frombytes(flat)
+    if sys.byteorder == "big":
+        out.byteswap()
+    return out.tolist()
 
 
 def load_fastokens(raw: str) -> Any:
