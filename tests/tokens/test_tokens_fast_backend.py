@@ -4,15 +4,20 @@ the proxy equal to HF's own count of a near-limit completions prompt."""
 
 from __future__ import annotations
 
+import array
+import gc
 import io
 import logging
 import random
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+import tokenizers
 from aiohttp import web
 from kvtest import FakeUpstream, running_proxy, static_engines
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,8 +54,11 @@ class Disagreeing:
         ids = list(self.inner.encode(text, add_special_tokens=add_special_tokens).ids)
         return _Enc([*ids, 0] if "\u2028" in text else ids)
 
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[_Enc]:
-        return [self.encode(t, add_special_tokens) for t in texts]
+    def encode_batch_flat(
+        self, texts: list[str], add_special_tokens: bool = False
+    ) -> tuple[bytes, bytes]:
+        ids = [i for t in texts for i in self.encode(t, add_special_tokens).ids]
+        return array.array("I", ids).tobytes(), b""  # offsets: unused by kvproxy
 
 
 def disagreeing(raw: str) -> Disagreeing:
@@ -84,6 +92,56 @@ def test_the_real_fastokens_passes_and_hf_is_dropped(trained_bpe_dir: Path) -> N
     text = "It's 12:30 — café 中文 👩‍👩‍👧‍👦\u2028x"
     want = len(Tokenizer.from_file(str(trained_bpe_dir / "tokenizer.json")).encode(text))
     assert tok.count((text,)) == (want, True)
+
+
+@pytest.mark.parametrize("backend", ["fastokens", "hf"])
+def test_hf_tokenizers_built_for_the_check_are_freed_once_fastokens_counts(
+    backend: str, trained_bpe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # HF is the reference the start-up check holds fastokens to; once fastokens counts, no
+    # HF tokenizer may stay alive (~60 MB for Qwen-3: the vocabulary held twice).
+    built: list[weakref.ref[Any]] = []
+    real = tokenizers.Tokenizer
+
+    class Recording:
+        @staticmethod
+        def from_str(text: str) -> Any:
+            tok = real.from_str(text)
+            built.append(weakref.ref(tok))
+            return tok
+
+    monkeypatch.setattr(tokenizers, "Tokenizer", Recording)
+    tok = load_hf_counting(trained_bpe_dir, use_fastokens=backend == "fastokens")
+    gc.collect()
+    assert tok.backend == backend
+    assert built
+    alive = [r for r in built if r() is not None]
+    assert len(alive) == (0 if backend == "fastokens" else len(built))
+
+
+def test_fastokens_counts_without_per_token_python_objects(trained_bpe_dir: Path) -> None:
+    # encode/encode_batch build fastokens' table of one Python int per vocabulary id on
+    # their first call (+6 MiB for Qwen-3); the check and every count use the flat buffer.
+    # The check encodes off the calling thread: fastokens keeps per-thread encode state
+    # (16 MiB for Qwen-3) for as long as the thread lives, and the start-up thread never ends.
+    calls: list[tuple[str, int]] = []
+
+    class FlatOnly:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            calls.append((name, threading.get_ident()))
+            return getattr(self.inner, name)
+
+    tok = load_hf_counting(trained_bpe_dir, load_fast=lambda raw: FlatOnly(load_fastokens(raw)))
+    assert calls
+    assert threading.get_ident() not in {thread for _, thread in calls}
+    text = "It's 12:30 — café 中文 👩‍👩‍👧‍👦\u2028x " * 50
+    want = len(Tokenizer.from_file(str(trained_bpe_dir / "tokenizer.json")).encode(text))
+    assert tok.backend == "fastokens"
+    assert tok.count((text,)) == (want, True)
+    assert {name for name, _ in calls} == {"encode_batch_flat"}
 
 
 @pytest.mark.parametrize(
