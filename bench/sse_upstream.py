@@ -4,6 +4,11 @@ Run: `python bench/sse_upstream.py --port P --chunks N`. A POST whose body conta
 `"stream":true` gets N `chat.completion.chunk` events (chunked transfer encoding, one
 `send()` per event, one loop turn apart), anything else gets the fixed chat reply.
 
+With `--pace-ms T` (the streams-at-scale phase, bench/streams.py) a stream is a decode
+instead: `max_tokens` events from the request's body (the last two the usage event and
+`[DONE]`), one every T ms on a fixed schedule from the request's arrival (a late timer does
+not push the next event later), like an engine emitting a token per decode step.
+
 Why not nginx for this one: nginx's `return` writes a whole body at once, so a proxy would
 read all N events in one buffer and the figure would not be "per chunk". A real engine emits
 one event per token. Why a bare asyncio Protocol and not aiohttp: the upstream must cost as
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 from pathlib import Path
 from typing import ClassVar
@@ -93,9 +99,86 @@ class Upstream(asyncio.Protocol):
         self._next()
 
 
-async def serve(port: int) -> None:
+_MAX_TOKENS = re.compile(rb'"max_tokens":\s*(\d+)')
+
+
+class PacedUpstream(Upstream):
+    """Streams at a decode's pace: `max_tokens` events, one every `pace_s`.
+
+    One timer per open stream (`call_at` on the absolute schedule): thousands of streams
+    cost a timer and a `send()` per event each, nothing per idle stream."""
+
+    pace_s: ClassVar[float] = 0.05
+    # Each event already framed as an HTTP chunk: the per-event work is one write.
+    framed: ClassVar[list[bytes]] = []
+    framed_last: ClassVar[bytes] = b""
+    framed_done: ClassVar[bytes] = b""
+
+    @classmethod
+    def prepare(cls, pace_s: float, most: int) -> None:
+        from payloads import sse_event
+
+        cls.pace_s = pace_s
+        cls.framed = [_chunked(sse_event(i)) for i in range(most)]
+        cls.framed_last = _chunked(sse_event(most, last=True))
+        cls.framed_done = _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.t0 = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _next(self) -> None:
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0 or self.transport is None:
+            return
+        m = _MAX_TOKENS.search(self.buf, end)
+        if b'"stream":true' not in self.buf.replace(b" ", b"") or m is None:
+            super()._next()
+            return
+        length = 0
+        for line in bytes(self.buf[:end]).lower().split(b"\r\n")[1:]:
+            if line.startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        if len(self.buf) < end + 4 + length:
+            return
+        del self.buf[: end + 4 + length]
+        # At least the usage event and [DONE]; the token events are capped by what was framed.
+        self.total = max(2, min(int(m.group(1)), len(self.framed) + 2))
+        self.busy = True
+        self.transport.write(_SSE_HEAD)
+        loop = asyncio.get_running_loop()
+        self.t0 = loop.time()
+        self.timer = loop.call_at(self.t0 + self.pace_s, self._paced, 0)
+
+    def _paced(self, i: int) -> None:
+        self.timer = None
+        if self.transport is None:
+            return
+        if i < self.total - 2:
+            self.transport.write(self.framed[i])
+        elif i == self.total - 2:
+            self.transport.write(self.framed_last)
+        else:
+            self.transport.write(self.framed_done)
+            self.busy = False
+            self._next()
+            return
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_at(self.t0 + (i + 2) * self.pace_s, self._paced, i + 1)
+
+
+async def serve(port: int, pace_ms: float = 0.0) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(Upstream, "127.0.0.1", port, backlog=1024)
+    factory = PacedUpstream if pace_ms > 0 else Upstream
+    server = await loop.create_server(factory, "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
 
@@ -104,11 +187,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunks", type=int, default=64)
+    parser.add_argument(
+        "--pace-ms", type=float, default=0.0, help="one event per this many ms (0: no pacing)"
+    )
+    parser.add_argument(
+        "--max-events", type=int, default=4096, help="paced: the most token events a stream has"
+    )
     args = parser.parse_args()
     Upstream.events = sse_stream(args.chunks)
+    if args.pace_ms > 0:
+        PacedUpstream.prepare(args.pace_ms / 1e3, args.max_events)
     import uvloop
 
-    uvloop.run(serve(args.port))
+    uvloop.run(serve(args.port, args.pace_ms))
 
 
 if __name__ == "__main__":
