@@ -139,17 +139,19 @@ class PacedUpstream(Upstream):
         end = self.buf.find(b"\r\n\r\n")
         if end < 0 or self.transport is None:
             return
-        m = _MAX_TOKENS.search(self.buf, end)
-        if b'"stream":true' not in self.buf.replace(b" ", b"") or m is None:
-            super()._next()
-            return
         length = 0
         for line in bytes(self.buf[:end]).lower().split(b"\r\n")[1:]:
             if line.startswith(b"content-length:"):
                 length = int(line.split(b":", 1)[1])
-        if len(self.buf) < end + 4 + length:
+        total = end + 4 + length
+        if len(self.buf) < total:
             return
-        del self.buf[: end + 4 + length]
+        body = bytes(self.buf[end + 4 : total])
+        m = _MAX_TOKENS.search(body)
+        if m is None or b'"stream":true' not in body.replace(b" ", b""):
+            super()._next()
+            return
+        del self.buf[:total]
         # At least the usage event and [DONE]; the token events are capped by what was framed.
         self.total = max(2, min(int(m.group(1)), len(self.framed) + 2))
         self.busy = True

@@ -12,10 +12,10 @@ Why raw asyncio protocols on uvloop and not aiohttp's client: the client has to 
 tens of thousands of events a second on the same core as the upstream, and it must not be
 the bottleneck; a protocol's `data_received` is one call per read, nothing more.
 
-A stream is *lost* when it errored, answered other than 200, went silent for more than
-`--stall-s` (from its request to its first event, or between two events), or ended with
-other than exactly K events and `[DONE]`. Must never: print or keep event text, or open a
-connection outside loopback.
+A stream is *lost* when it errored, got no response head, answered other than 200, went
+silent for more than `--stall-s` (from its request to its first event, or between two
+events), or ended with other than exactly K events and `[DONE]`. Must never: print or keep
+event text, or open a connection outside loopback.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def lost_reason(t: Tally, expected: int, stall_s: float) -> str | None:
     """Why this stream counts as lost, or None when it was held to its end."""
     if t.error:
         return "error"
+    if not t.status:
+        return "no answer"
     if t.status != 200:
-        return "status"
+        return f"status {t.status}"
     if t.max_gap_s > stall_s:
         return "stalled"
     if not t.done or t.events != expected:
