@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import re
 import sys
 from pathlib import Path
@@ -102,11 +103,52 @@ class Upstream(asyncio.Protocol):
 _MAX_TOKENS = re.compile(rb'"max_tokens":\s*(\d+)')
 
 
+# The paced streams' clock: events go out on whole milliseconds, never early.
+TICK_S = 0.001
+
+
+class Wheel:
+    """Every paced stream's next event, by the tick it is due: one timer for the process,
+    each tick sending what is due, instead of a `call_at` per event (uvloop makes and frees
+    a libuv timer for each: at 40,000 events a second that was most of the upstream's
+    CPU, and the upstream shares its core with the clients)."""
+
+    def __init__(self) -> None:
+        self.due: dict[int, list[PacedUpstream]] = {}
+        self.done = 0  # the last tick sent
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, at: float, stream: PacedUpstream) -> None:
+        if self.loop is None:
+            self.loop = loop = asyncio.get_running_loop()
+            self.done = int(loop.time() / TICK_S) - 1
+            loop.call_soon(self._tick)
+        # A tick already sent (an event late by more than the pace) goes out at the next.
+        k = max(math.ceil(at / TICK_S), self.done + 1)
+        self.due.setdefault(k, []).append(stream)
+
+    def _tick(self) -> None:
+        loop = self.loop
+        assert loop is not None
+        now = int(loop.time() / TICK_S)
+        for k in range(self.done + 1, now + 1):
+            self.done = k
+            for stream in self.due.pop(k, ()):
+                stream._paced()
+        if self.due:
+            loop.call_at((now + 1) * TICK_S, self._tick)
+        else:
+            self.loop = None  # idle: the next stream starts the clock again
+
+
+WHEEL = Wheel()
+
+
 class PacedUpstream(Upstream):
     """Streams at a decode's pace: `max_tokens` events, one every `pace_s`.
 
-    One timer per open stream (`call_at` on the absolute schedule): thousands of streams
-    cost a timer and a `send()` per event each, nothing per idle stream."""
+    The schedule is absolute from the request's arrival (`t0 + (i + 1) * pace`), kept by
+    the process's one `Wheel`: a `send()` per event, nothing per idle stream."""
 
     pace_s: ClassVar[float] = 0.05
     # Each event already framed as an HTTP chunk: the per-event work is one write.
@@ -126,14 +168,8 @@ class PacedUpstream(Upstream):
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.sent = 0
         self.t0 = 0.0
-        self.timer: asyncio.TimerHandle | None = None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
 
     def _next(self) -> None:
         end = self.buf.find(b"\r\n\r\n")
@@ -154,16 +190,17 @@ class PacedUpstream(Upstream):
         del self.buf[:total]
         # At least the usage event and [DONE]; the token events are capped by what was framed.
         self.total = max(2, min(int(m.group(1)), len(self.framed) + 2))
+        self.sent = 0
         self.busy = True
         self.transport.write(_SSE_HEAD)
-        loop = asyncio.get_running_loop()
-        self.t0 = loop.time()
-        self.timer = loop.call_at(self.t0 + self.pace_s, self._paced, 0)
+        self.t0 = asyncio.get_running_loop().time()
+        WHEEL.add(self.t0 + self.pace_s, self)
 
-    def _paced(self, i: int) -> None:
-        self.timer = None
+    def _paced(self) -> None:
         if self.transport is None:
-            return
+            return  # the client left: its stream ends here
+        i = self.sent
+        self.sent = i + 1
         if i < self.total - 2:
             self.transport.write(self.framed[i])
         elif i == self.total - 2:
@@ -173,8 +210,7 @@ class PacedUpstream(Upstream):
             self.busy = False
             self._next()
             return
-        loop = asyncio.get_running_loop()
-        self.timer = loop.call_at(self.t0 + (i + 2) * self.pace_s, self._paced, i + 1)
+        WHEEL.add(self.t0 + (i + 2) * self.pace_s, self)
 
 
 async def serve(port: int, pace_ms: float = 0.0) -> None:
