@@ -292,6 +292,17 @@ def judge(r: Results) -> list[dict[str, Any]]:
                 "note": "" if v is not None else g.why_missing,
             }
         )
+    st = r.get("streams") if isinstance(r.get("streams"), dict) else {}
+    held = streams.both_held(st)
+    out.append(
+        {
+            "goal": "streams: CPU per chunk kvproxy / bare at the largest count both held",
+            "target": "informative",
+            "value": streams.ratio_at(st, held) if held else None,
+            "verdict": "info",
+            "note": f"{held:,} streams" if held else "no count held by both (or not run)",
+        }
+    )
     for name, target in INFO:
         cap = _streams_capacity(r, target)
         bound = _get(r, "streams", target, "capacity", "bound")
@@ -825,6 +836,13 @@ def streams_section(r: Results) -> list[str]:
     out += [""]
     if ratio is not None:
         out += [f"CPU per event at {streams.HEADLINE:,} streams: kvproxy / bare = {ratio:.2f}×."]
+    held = streams.both_held(st)
+    if held:
+        out += [
+            f"CPU per event at {held:,} streams, the largest count both held: kvproxy / bare "
+            f"= {_fmt(streams.ratio_at(st, held), 2)}× (past its capacity a proxy's events "
+            "batch up per wakeup, and its CPU per event falls)."
+        ]
     for target in ("kvproxy", "bare"):
         cap = (st.get(target) or {}).get("capacity")
         if cap:

@@ -233,6 +233,18 @@ def ratio_at(
     return float(a) / float(b)
 
 
+def both_held(results: dict[str, Any]) -> int | None:
+    """The largest stream count both proxies held (verdict ok), None when one held none:
+    where their CPU per event compares unsaturated (past its capacity a proxy's events
+    batch up per wakeup and its CPU per event falls)."""
+    held = [
+        {s["streams"] for s in (results.get(t) or {}).get("steps", []) if s.get("verdict") == "ok"}
+        for t in ("kvproxy", "bare")
+    ]
+    common = held[0] & held[1]
+    return max(common) if common else None
+
+
 def step_at(results: dict[str, Any], target: str, n: int) -> dict[str, Any]:
     for s in (results.get(target) or {}).get("steps", []):
         if s.get("streams") == n:

@@ -211,6 +211,16 @@ def test_the_headline_ratio_and_verdicts_come_from_the_2000_stream_steps() -> No
     }  # fmt: skip
     assert streams.ratio_at(st, 2000) == pytest.approx(1.2)
     assert streams.ratio_at(st, 1000) is None
+    # Both held 500 (bare also 2,000, kvproxy not): there the ratio is 10 / 9.
+    st["bare"]["steps"][0]["verdict"] = st["kvproxy"]["steps"][0]["verdict"] = "ok"
+    st["bare"]["steps"][1]["verdict"] = "ok"
+    st["kvproxy"]["steps"][1]["verdict"] = "lag"
+    assert streams.both_held(st) == 500
+    held = {v["goal"]: v for v in report.judge({"streams": st})}[
+        "streams: CPU per chunk kvproxy / bare at the largest count both held"
+    ]
+    assert held["value"] == pytest.approx(10 / 9)
+    assert held["note"] == "500 streams"
     verdicts = {v["goal"]: v for v in report.judge({"streams": st})}
     ratio = verdicts["streams: CPU per chunk kvproxy / bare at 2,000 streams"]
     assert (ratio["value"], ratio["verdict"]) == (pytest.approx(1.2), "PASS")
