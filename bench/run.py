@@ -1,9 +1,9 @@
 """`make bench`: every target under the same workloads in one run, then RESULTS.md.
 
 Usage: `.venv/bin/python bench/run.py [--quick | --tiny] [--peers] [--rounds N]
-[--out DIR]`. Default ~11 minutes on 2 cores (three rounds; ~15 with `--peers`); `--quick`
-~2 minutes; `--tiny` (the smoke test) a second per phase and no long-prompt, mixed or memory
-phases.
+[--out DIR]`. Default ~14 minutes on 2 cores (three rounds; ~18 with `--peers`; the
+streams-at-scale phase, last, ~3 of them); `--quick` ~3 minutes; `--tiny` (the smoke test) a
+second per phase, 100 streams, and no long-prompt, mixed or memory phases.
 
 Layout on a 2-core machine: the measured server on CPU 0 (`taskset -c 0`); wrk, the
 upstreams, the simulator and this harness on CPU 1. Targets run one at a time, in an
