@@ -37,12 +37,12 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return resp
 
 
-async def make_app(upstream: str) -> web.Application:
+async def make_app(upstream: str, max_connections: int = 1024) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[UPSTREAM] = upstream.rstrip("/")
 
     async def session_ctx(app: web.Application):  # type: ignore[no-untyped-def]
-        connector = aiohttp.TCPConnector(limit=1024)
+        connector = aiohttp.TCPConnector(limit=max_connections)
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as s:
             app[SESSION] = s
             yield
@@ -56,8 +56,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
+    # Upstream connections at once (aiohttp's connector limit); the streams-at-scale phase
+    # raises it above its largest step, as it raises kvproxy's upstream_max_connections.
+    parser.add_argument("--max-connections", type=int, default=1024)
     args = parser.parse_args()
-    app = make_app(args.upstream)
+    app = make_app(args.upstream, args.max_connections)
     web.run_app(
         app,
         host="127.0.0.1",

@@ -45,7 +45,11 @@ Step = tuple[str, str | None, tuple[tuple[str, str], ...], str]
 
 
 def ensure_py_spy() -> Path | str:
-    """py-spy in bench/out/peers-venv (installed on first use), or why it is not there."""
+    """py-spy from the project's venv (the dev extra has it), else bench/out/peers-venv
+    (installed on first use), or why it is not there."""
+    own = Path(sys.executable).parent / "py-spy"
+    if own.exists():
+        return own
     if PY_SPY.exists():
         return PY_SPY
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import profile_phases
+import streams
 
 Results = dict[str, Any]
 
@@ -224,6 +225,60 @@ GOALS = (
 )
 
 
+def _streams_head(r: Results) -> dict[str, Any] | None:
+    """The streams phase when it ran the headline count (2,000 streams) on both proxies."""
+    st = r.get("streams")
+    if not isinstance(st, dict):
+        return None
+    if not streams.step_at(st, "kvproxy", streams.HEADLINE) or not streams.step_at(
+        st, "bare", streams.HEADLINE
+    ):
+        return None
+    return st
+
+
+def _streams_lost(r: Results) -> float | None:
+    st = _streams_head(r)
+    if st is None:
+        return None
+    return float(streams.step_at(st, "kvproxy", streams.HEADLINE)["lost"])
+
+
+def _streams_capacity(r: Results, target: str) -> float | None:
+    cap = _get(r, "streams", target, "capacity", "streams")
+    return float(cap) if isinstance(cap, int | float) else None
+
+
+_STREAMS_WHY = "the streams phase runs 2,000 streams in the full and --quick runs"
+
+STREAM_GOALS = (
+    Goal(
+        "streams: CPU per chunk kvproxy / bare at 2,000 streams",
+        "×",
+        1.3,
+        False,
+        lambda r: streams.ratio_at(_streams_head(r) or {}, streams.HEADLINE),
+        _STREAMS_WHY,
+    ),
+    Goal(
+        "streams lost at 2,000 (kvproxy)",
+        "",
+        0,
+        False,
+        _streams_lost,
+        _STREAMS_WHY,
+    ),
+)
+
+# Informative rows: no target, the figure the issue asks to measure.
+INFO = (
+    ("streams: capacity of kvproxy (lag p99 ≤ 20 ms, none lost)", "kvproxy"),
+    ("streams: capacity of the bare forwarder (interval lateness p99 ≤ 20 ms, none lost)", "bare"),
+)
+
+GOALS = (*GOALS, *STREAM_GOALS)
+
+
 def judge(r: Results) -> list[dict[str, Any]]:
     out = []
     for g in GOALS:
@@ -237,7 +292,41 @@ def judge(r: Results) -> list[dict[str, Any]]:
                 "note": "" if v is not None else g.why_missing,
             }
         )
+    st = r.get("streams") if isinstance(r.get("streams"), dict) else {}
+    held = streams.both_held(st)
+    out.append(
+        {
+            "goal": "streams: CPU per chunk kvproxy / bare at the largest count both held",
+            "target": "informative",
+            "value": streams.ratio_at(st, held) if held else None,
+            "verdict": "info",
+            "note": f"{held:,} streams" if held else "no count held by both (or not run)",
+        }
+    )
+    for name, target in INFO:
+        cap = _streams_capacity(r, target)
+        bound = _get(r, "streams", target, "capacity", "bound")
+        out.append(
+            {
+                "goal": name,
+                "target": "informative",
+                "value": cap,
+                "verdict": "info",
+                "note": _capacity_note(bound, _get(r, "streams", target, "capacity", "failed_at"))
+                if cap is not None
+                else "the streams phase did not run",
+            }
+        )
     return out
+
+
+def _capacity_note(bound: Any, failed_at: Any) -> str:
+    if bound == "plan":
+        return "every step held: at least this"
+    if bound == "load":
+        return f"at least this: the load generator saturated at {failed_at:,} streams"
+    what = {"lag": "lag p99 over 20 ms", "lost": "streams lost"}.get(str(bound), str(bound))
+    return f"{what} at {failed_at:,} streams"
 
 
 def _fmt(v: Any, digits: int = 1) -> str:
@@ -361,6 +450,7 @@ def render(r: Results) -> str:
     out += _policy_section(r) + profile_phases.section(r) + _instructions_section(r)
     out += _budget_section(r) + _long_section(r)
     out += _concurrent_section(r) + _mixed_section(r) + _memory_section(r)
+    out += streams_section(r)
     if r.get("problems"):
         out += ["## Correctness problems seen (figures above are affected)", ""]
         out += [f"- {p}" for p in r["problems"]] + [""]
@@ -679,6 +769,92 @@ def _memory_section(r: Results) -> list[str]:
         ],
     ]
     return ["## Memory (RSS, MiB, from /proc/PID/status)", "", *_table(["", "MiB"], rows), ""]
+
+
+def streams_section(r: Results) -> list[str]:
+    st = r.get("streams")
+    if not isinstance(st, dict):
+        return []
+    plan = st.get("plan", {})
+    out = [
+        "## Streams at scale",
+        "",
+        f"Long SSE streams held open at once through one proxy pinned to CPU 0: each stream "
+        f"gets a `chat.completion.chunk` event (~180 bytes) every {st.get('pace_ms', 50):g} ms "
+        "from `bench/sse_upstream.py --pace-ms` (uvloop, one 1 ms tick for all streams, a "
+        "write per event, on CPU 1) and is read by `bench/stream_client.py` (raw asyncio "
+        "protocols on uvloop, "
+        f"{plan.get('client_procs', 1)} process(es) on CPU 1, connections from four loopback "
+        "source addresses). Per step, N streams open evenly over N/1,000 s (at least 0.5 s), "
+        f"then {plan.get('settle_s', 1):g} s later a window of {plan.get('window_s', 0):g} s "
+        "in which every stream is open (each lasts past it). Over the window: the target's "
+        "CPU (utime+stime from /proc) / events the clients received = CPU per event; RSS per "
+        "stream = (VmRSS at the window's end − VmRSS idle before the ramp) / N, same process; "
+        "lag p99 = kvproxy's `kvproxy_event_loop_lag_seconds` histogram delta "
+        "(interpolated like histogram_quantile); *late p99* = the clients' interval between "
+        "a stream's consecutive events minus the pace (0.5 ms bins, upper edge), measured "
+        "for every target and the only lag figure for the bare forwarder, which exports "
+        "none; `direct` (no proxy, same step) is what the upstream and the clients add "
+        "themselves. A stream is lost when it errored, was not 200, went silent > 1 s or "
+        "ended without all its events and `[DONE]`. Capacity (one target process for all "
+        "steps) = the last step before the first with lag p99 > 20 ms (kvproxy: its metric; "
+        "bare: late p99), a lost stream, or the upstream and clients above "
+        f"{streams.LOAD_SATURATED:.0%} of CPU 1 (then the load generator, not the target, "
+        f"limits it); every step up to {streams.HEADLINE:,} runs, past it the first failed "
+        "step ends the ramp. kvproxy: the comparison's full policy, plus "
+        "`upstream_max_connections` above the largest step (its default, 1,024, would queue "
+        "streams past it); the bare forwarder's connector limit raised likewise. "
+        f"Descriptor limit (soft, raised to the hard limit for the targets): "
+        f"{st.get('fd_limit', '?')}.",
+        "",
+    ]
+    rows = []
+    for target in ("bare", "kvproxy", "direct"):
+        for s in (st.get(target) or {}).get("steps", []):
+            load = s.get("load_cpu_share_by_process", {})
+            rows.append(
+                [
+                    target,
+                    f"{s['streams']:,}",
+                    _fmt(s["events_per_s"], 0),
+                    _fmt(s.get("delivered_share"), 3),
+                    _fmt(s.get("cpu_us_per_event"), 2) if target != "direct" else "—",
+                    _fmt(s.get("target_cpu_share"), 2) if target != "direct" else "—",
+                    _fmt(s.get("rss_kib_per_stream"), 1) if target != "direct" else "—",
+                    _fmt(s.get("lag_p99_ms"), 2),
+                    _fmt(s.get("late_p99_ms"), 1),
+                    _fmt(s.get("first_event_p99_ms"), 1),
+                    str(s["lost"]) + (f" {s['lost_by_reason']}" if s["lost"] else ""),
+                    f"{_fmt(load.get('upstream'), 2)} + {_fmt(load.get('clients'), 2)}",
+                    str(s.get("verdict", "")),
+                ]
+            )
+    head = ["target", "streams", "events/s", "delivered / paced", "CPU µs/event",
+            "target CPU share", "RSS KiB/stream", "lag p99 ms (metric)", "late p99 ms (clients)",
+            "first event p99 ms", "lost", "CPU 1: upstream + clients", "step"]  # fmt: skip
+    out += _table(head, rows)
+    ratio = streams.ratio_at(st, streams.HEADLINE)
+    out += [""]
+    if ratio is not None:
+        out += [f"CPU per event at {streams.HEADLINE:,} streams: kvproxy / bare = {ratio:.2f}×."]
+    held = streams.both_held(st)
+    if held:
+        out += [
+            f"CPU per event at {held:,} streams, the largest count both held: kvproxy / bare "
+            f"= {_fmt(streams.ratio_at(st, held), 2)}× (past its capacity a proxy's events "
+            "batch up per wakeup, and its CPU per event falls)."
+        ]
+    for target in ("kvproxy", "bare"):
+        cap = (st.get(target) or {}).get("capacity")
+        if cap:
+            out += [
+                f"Capacity of {target}: {cap['streams']:,} streams "
+                f"({_capacity_note(cap['bound'], cap.get('failed_at'))})."
+            ]
+        skipped = (st.get(target) or {}).get("skipped")
+        if skipped:
+            out += [f"{target}: ramp cut: {skipped}."]
+    return [*out, ""]
 
 
 def write(r: Results, out_dir: Path) -> tuple[Path, Path]:

@@ -1,9 +1,9 @@
 """`make bench`: every target under the same workloads in one run, then RESULTS.md.
 
 Usage: `.venv/bin/python bench/run.py [--quick | --tiny] [--peers] [--rounds N]
-[--out DIR]`. Default ~11 minutes on 2 cores (three rounds; ~15 with `--peers`); `--quick`
-~2 minutes; `--tiny` (the smoke test) a second per phase and no long-prompt, mixed or memory
-phases.
+[--out DIR]`. Default ~14 minutes on 2 cores (three rounds; ~18 with `--peers`; the
+streams-at-scale phase, last, ~3 of them); `--quick` ~3 minutes; `--tiny` (the smoke test) a
+second per phase, 100 streams, and no long-prompt, mixed or memory phases.
 
 Layout on a 2-core machine: the measured server on CPU 0 (`taskset -c 0`); wrk, the
 upstreams, the simulator and this harness on CPU 1. Targets run one at a time, in an
@@ -38,6 +38,7 @@ import nginx
 import procstat
 import profile_phases
 import report
+import streams
 import targets
 import versions
 import workloads
@@ -81,7 +82,7 @@ POLICY_STEPS: tuple[tuple[str, str | None, tuple[tuple[str, str], ...], str], ..
 
 # Phases in run order (`--only` picks some). "concurrent": long prompts at concurrency.
 PHASES = ("comparison", "policy", "profile", "instructions", "budget", "long", "concurrent",
-          "decision", "mixed", "memory")  # fmt: skip
+          "decision", "mixed", "memory", "streams")  # fmt: skip
 # Small requests per second in the mixed phase when the comparison did not run this time.
 MIXED_DEFAULT_RPS = 1200.0
 # py-spy --gil after the mixed phase: at most 800 samples at its 200 Hz (none while no
@@ -449,6 +450,51 @@ class Bench:
         out["kvproxy_tokenizer_hf_rss_mib"] = r and r["rss"]
         return out
 
+    def streams(self) -> dict[str, Any]:
+        """Thousands of paced SSE streams held open (bench/streams.py): the bare forwarder's
+        ramp, kvproxy's (full policy), and direct at the headline count (the floor of the
+        interval lateness the upstream and the clients add themselves)."""
+        plan = streams.PLANS[self.args.mode]
+        fd_limit = streams.raise_fd_limit()
+        phase = streams.StreamsPhase(plan, self.work, self.log)
+        upstream, up = streams.start_upstream(self.work, phase.most_events())
+        phase.upstream_pid = up.pid
+        # Every stream holds its own upstream connection: both proxies may open as many as
+        # the largest step (kvproxy's default upstream_max_connections, 1,024, would queue).
+        conns = max(plan.steps) + 64
+        base = self.kvproxy_opts("exact")
+        opts = dataclasses.replace(
+            base, extra_env=(("KVPROXY_UPSTREAM_MAX_CONNECTIONS", str(conns)),)
+        )
+        plan_targets: dict[str, Starter] = {
+            "bare": targets.bare_starter(conns),
+            "kvproxy": targets.kvproxy_starter(opts),
+        }
+        out: dict[str, Any] = {
+            "plan": dataclasses.asdict(plan),
+            "fd_limit": fd_limit,
+            "pace_ms": streams.PACE_MS,
+            "headline": streams.HEADLINE,
+        }
+        try:
+            for name, starter in plan_targets.items():
+                r = self.with_target(name, starter, up, lambda run: phase.ramp(run, fd_limit))
+                if r:
+                    out[name] = r
+            head = min(streams.HEADLINE, max(plan.steps))
+            self.log(f"streams at scale: direct, {head} streams")
+            direct = Running("direct", up.url, [up.pid])
+            try:
+                step = phase.step(direct, head, procstat.memory(up.pid).rss_kib)
+                step["verdict"] = streams.step_verdict(step)
+                out["direct"] = {"steps": [step]}
+            except Exception as exc:
+                self.failed = True
+                self.notes.append(f"streams, direct: {type(exc).__name__}: {exc}"[:400])
+        finally:
+            upstream.stop()
+        return out
+
 
 def _median_rows(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per target, the median of every numeric figure over the rounds (errors summed)."""
@@ -566,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["memory"] = bench.memory(chat)
         else:
             bench.notes.append("tiny mode: long-prompt, mixed and memory phases skipped")
+        if wanted("streams"):
+            results["streams"] = bench.streams()
     finally:
         stop_all()
     results["problems"] = [

@@ -4,6 +4,11 @@ Run: `python bench/sse_upstream.py --port P --chunks N`. A POST whose body conta
 `"stream":true` gets N `chat.completion.chunk` events (chunked transfer encoding, one
 `send()` per event, one loop turn apart), anything else gets the fixed chat reply.
 
+With `--pace-ms T` (the streams-at-scale phase, bench/streams.py) a stream is a decode
+instead: `max_tokens` events from the request's body (the last two the usage event and
+`[DONE]`), one every T ms on a fixed schedule from the request's arrival (a late timer does
+not push the next event later), like an engine emitting a token per decode step.
+
 Why not nginx for this one: nginx's `return` writes a whole body at once, so a proxy would
 read all N events in one buffer and the figure would not be "per chunk". A real engine emits
 one event per token. Why a bare asyncio Protocol and not aiohttp: the upstream must cost as
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import re
 import sys
 from pathlib import Path
 from typing import ClassVar
@@ -93,9 +100,123 @@ class Upstream(asyncio.Protocol):
         self._next()
 
 
-async def serve(port: int) -> None:
+_MAX_TOKENS = re.compile(rb'"max_tokens":\s*(\d+)')
+
+
+# The paced streams' clock: events go out on whole milliseconds, never early.
+TICK_S = 0.001
+
+
+class Wheel:
+    """Every paced stream's next event, by the tick it is due: one timer for the process,
+    each tick sending what is due, instead of a `call_at` per event (uvloop makes and frees
+    a libuv timer for each: at 40,000 events a second that was most of the upstream's
+    CPU, and the upstream shares its core with the clients)."""
+
+    def __init__(self) -> None:
+        self.due: dict[int, list[PacedUpstream]] = {}
+        self.done = 0  # the last tick sent
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, at: float, stream: PacedUpstream) -> None:
+        if self.loop is None:
+            self.loop = loop = asyncio.get_running_loop()
+            self.done = int(loop.time() / TICK_S) - 1
+            loop.call_soon(self._tick)
+        # A tick already sent (an event late by more than the pace) goes out at the next.
+        k = max(math.ceil(at / TICK_S), self.done + 1)
+        self.due.setdefault(k, []).append(stream)
+
+    def _tick(self) -> None:
+        loop = self.loop
+        assert loop is not None
+        now = int(loop.time() / TICK_S)
+        for k in range(self.done + 1, now + 1):
+            self.done = k
+            for stream in self.due.pop(k, ()):
+                stream._paced()
+        if self.due:
+            loop.call_at((now + 1) * TICK_S, self._tick)
+        else:
+            self.loop = None  # idle: the next stream starts the clock again
+
+
+WHEEL = Wheel()
+
+
+class PacedUpstream(Upstream):
+    """Streams at a decode's pace: `max_tokens` events, one every `pace_s`.
+
+    The schedule is absolute from the request's arrival (`t0 + (i + 1) * pace`), kept by
+    the process's one `Wheel`: a `send()` per event, nothing per idle stream."""
+
+    pace_s: ClassVar[float] = 0.05
+    # Each event already framed as an HTTP chunk: the per-event work is one write.
+    framed: ClassVar[list[bytes]] = []
+    framed_last: ClassVar[bytes] = b""
+    framed_done: ClassVar[bytes] = b""
+
+    @classmethod
+    def prepare(cls, pace_s: float, most: int) -> None:
+        from payloads import sse_event
+
+        cls.pace_s = pace_s
+        cls.framed = [_chunked(sse_event(i)) for i in range(most)]
+        cls.framed_last = _chunked(sse_event(most, last=True))
+        cls.framed_done = _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.sent = 0
+        self.t0 = 0.0
+
+    def _next(self) -> None:
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0 or self.transport is None:
+            return
+        length = 0
+        for line in bytes(self.buf[:end]).lower().split(b"\r\n")[1:]:
+            if line.startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        total = end + 4 + length
+        if len(self.buf) < total:
+            return
+        body = bytes(self.buf[end + 4 : total])
+        m = _MAX_TOKENS.search(body)
+        if m is None or b'"stream":true' not in body.replace(b" ", b""):
+            super()._next()
+            return
+        del self.buf[:total]
+        # At least the usage event and [DONE]; the token events are capped by what was framed.
+        self.total = max(2, min(int(m.group(1)), len(self.framed) + 2))
+        self.sent = 0
+        self.busy = True
+        self.transport.write(_SSE_HEAD)
+        self.t0 = asyncio.get_running_loop().time()
+        WHEEL.add(self.t0 + self.pace_s, self)
+
+    def _paced(self) -> None:
+        if self.transport is None:
+            return  # the client left: its stream ends here
+        i = self.sent
+        self.sent = i + 1
+        if i < self.total - 2:
+            self.transport.write(self.framed[i])
+        elif i == self.total - 2:
+            self.transport.write(self.framed_last)
+        else:
+            self.transport.write(self.framed_done)
+            self.busy = False
+            self._next()
+            return
+        WHEEL.add(self.t0 + (i + 2) * self.pace_s, self)
+
+
+async def serve(port: int, pace_ms: float = 0.0) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(Upstream, "127.0.0.1", port, backlog=1024)
+    factory = PacedUpstream if pace_ms > 0 else Upstream
+    server = await loop.create_server(factory, "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
 
@@ -104,11 +225,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunks", type=int, default=64)
+    parser.add_argument(
+        "--pace-ms", type=float, default=0.0, help="one event per this many ms (0: no pacing)"
+    )
+    parser.add_argument(
+        "--max-events", type=int, default=4096, help="paced: the most token events a stream has"
+    )
     args = parser.parse_args()
     Upstream.events = sse_stream(args.chunks)
+    if args.pace_ms > 0:
+        PacedUpstream.prepare(args.pace_ms / 1e3, args.max_events)
     import uvloop
 
-    uvloop.run(serve(args.port))
+    uvloop.run(serve(args.port, args.pace_ms))
 
 
 if __name__ == "__main__":

@@ -75,12 +75,20 @@ def start_nginx(up: Upstream, workdir: Path) -> Running:
     return Running("nginx", f"http://127.0.0.1:{port}", [m.pid], [m])
 
 
-def start_bare(up: Upstream, workdir: Path) -> Running:
+def start_bare(up: Upstream, workdir: Path, max_connections: int = 1024) -> Running:
     port = free_port()
-    cmd = [PY, str(BENCH / "bare_forwarder.py"), "--port", str(port), "--upstream", up.url]
+    cmd = [PY, str(BENCH / "bare_forwarder.py"), "--port", str(port), "--upstream", up.url,
+           "--max-connections", str(max_connections)]  # fmt: skip
     m = Managed("bare", cmd, cpu=SERVER_CPU, log=workdir / f"bare-{port}.log").start()
     wait_port(port, proc=m)
     return Running("bare", f"http://127.0.0.1:{port}", [m.pid], [m])
+
+
+def bare_starter(max_connections: int) -> Callable[[Upstream, Path], Running]:
+    def start(up: Upstream, workdir: Path) -> Running:
+        return start_bare(up, workdir, max_connections)
+
+    return start
 
 
 @dataclass(frozen=True)

@@ -324,6 +324,10 @@ class Exchange:
             if fast and not self.silence.done():
                 # A safe point: from here the read timeout fails the read and closes.
                 self.silence.cancel()
+                # Nor is the client's departure raced any more (`fast` reads without
+                # `_wait`): a gone client fails the next write (`_write`), so the watcher's
+                # scan of this request would be work for nothing while the stream lasts.
+                self.services.watcher.forget(self.request)
             elif fast and self._silent():
                 fast = False  # it fired before the safe point: the racing wait reports it
             try:

@@ -73,6 +73,13 @@ class DisconnectWatcher(_Background):
         if entry is not None and not entry[1].done():
             entry[1].cancel()
 
+    def forget(self, request: web.BaseRequest) -> None:
+        """Stop watching without resolving the future: for a caller that no longer races
+        the client's departure (a relay past its safe point finds it at its next write).
+        Every watched request costs a check per tick, 20 a second: thousands of open
+        streams made the scan a per-event cost of its own (bench/streams.py)."""
+        self._watched.pop(id(request), None)
+
     @property
     def watched(self) -> int:
         return len(self._watched)

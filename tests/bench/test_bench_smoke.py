@@ -94,6 +94,14 @@ def test_tiny_run_measures_every_target_and_writes_the_report(tmp_path: Path) ->
     assert results["problems"] == [], results["problems"]
     assert "## Against the project's targets" in md
     assert results["verdicts"]
+    # Streams at scale, 100 paced streams per proxy: every stream answered 200 and, unless
+    # the machine stalled it past a second, arrived whole (counted by its client).
+    for name in ("bare", "kvproxy"):
+        step = results["streams"][name]["steps"][0]
+        assert step["streams"] == 100, (name, step)
+        assert step["events"] > 0, (name, step)
+        assert set(step["lost_by_reason"]) <= {"stalled"}, (name, step)
+    assert "## Streams at scale" in md
 
 
 def test_policy_breakdown_rows_show_each_step_and_its_ratio_to_bare() -> None:

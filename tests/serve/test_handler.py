@@ -224,6 +224,41 @@ async def test_client_disconnect_mid_stream_leaks_nothing(
         assert await wait_until(lambda: len(asyncio.all_tasks()) <= tasks_before)
 
 
+async def test_a_stream_past_its_first_token_leaves_the_disconnect_watcher(
+    upstream: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Past the safe point the relay finds a departed client at its next write (the test
+    above counts those departures), so the watcher stops checking the request: with
+    thousands of open streams its scan, 20 a second each, was a cost per event."""
+    gate = asyncio.Event()
+    chunks = sse_chunks(3)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chunks[0])
+        await gate.wait()
+        for c in chunks[1:]:
+            await resp.write(c)
+        await resp.write_eof()
+        return resp
+
+    upstream.route("POST", CHAT, handler)
+    await upstream.start()
+    async with running_proxy(upstream.url) as proxy:
+        resp = await http.post(proxy.public_url + CHAT, data=chat_body())
+        first = await resp.content.readany()
+        assert b"tok0" in first
+        # The stream is still open (the upstream waits on the gate) and no longer watched.
+        assert await wait_until(lambda: proxy.services.watcher.watched == 0)
+        assert proxy.state.inflight == 1
+        gate.set()
+        rest = await resp.read()
+        assert (first + rest).count(b"data: ") == len(chunks)
+        assert rest.endswith(b"data: [DONE]\n\n")
+        assert await wait_until(lambda: proxy.state.inflight == 0)
+
+
 async def test_metrics_endpoint_parses(upstream: FakeUpstream, http: aiohttp.ClientSession) -> None:
     upstream.route("POST", CHAT, sse_handler(sse_chunks(3)))
     await upstream.start()
