@@ -115,7 +115,12 @@ def record(
 ) -> str:
     """Sample `pid` with py-spy while `drive()` runs; the collapsed stacks as text.
     `extra`: more `py-spy record` flags."""
-    cmd = [str(PY_SPY), "record", "--format", "raw", "--rate", "200", "--nonblocking", *extra]
+    spy_path = ensure_py_spy()
+    if isinstance(spy_path, str):
+        raise RuntimeError(spy_path)
+    # The path ensure_py_spy found (the project's venv first): PY_SPY alone is only where
+    # it is installed when the venv has none.
+    cmd = [str(spy_path), "record", "--format", "raw", "--rate", "200", "--nonblocking", *extra]
     cmd += ["-d", str(max(1, round(seconds))), "-o", str(out), "-p", str(pid)]
     spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
