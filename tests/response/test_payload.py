@@ -192,6 +192,7 @@ _CHOICE = st.dictionaries(
 _TOP = st.dictionaries(st.sampled_from(_KEYS), _JSON, max_size=5)
 
 
+@pytest.mark.no_cover  # CPU-bound (~2x traced); the rest of the suite measures its lines
 @settings(max_examples=600, deadline=None)
 @given(
     top=_TOP,

@@ -88,6 +88,7 @@ def test_big_contents_become_segments_not_one_string() -> None:
     assert segments[1] is BIG or segments[1] == BIG
 
 
+@pytest.mark.no_cover  # CPU-bound (~2x traced); the rest of the suite measures its lines
 @pytest.mark.parametrize(
     "source",
     [

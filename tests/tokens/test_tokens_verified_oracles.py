@@ -231,6 +231,7 @@ BODIES = st.one_of(
 )
 
 
+@pytest.mark.no_cover  # CPU-bound (~2x traced); the rest of the suite measures its lines
 @settings(
     max_examples=20,  # 20 x 3 oracles on the representatives; the slow suite ~400 on every template
     deadline=None,

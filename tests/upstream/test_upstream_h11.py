@@ -563,6 +563,7 @@ def check(stream: bytes, method: str, split: list[int]) -> None:
         assert ref.before_close, "kvproxy ended a response h11 reads to the close: " + shown
 
 
+@pytest.mark.no_cover  # CPU-bound (~2x traced); the rest of the suite measures its lines
 @PROFILE
 @given(data=st.data())
 def test_kvproxy_reads_every_stream_as_h11_does(data: st.DataObject) -> None:
