@@ -66,19 +66,26 @@ class Upstream(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
 
-    def _next(self) -> None:
+    def _request(self) -> tuple[int, bytes] | None:
+        """(bytes the first whole request in `buf` takes, its body), or None until it is
+        all there (or the connection is gone)."""
         end = self.buf.find(b"\r\n\r\n")
         if end < 0 or self.transport is None:
-            return
-        head = bytes(self.buf[:end]).lower()
+            return None
         length = 0
-        for line in head.split(b"\r\n")[1:]:
+        for line in bytes(self.buf[:end]).lower().split(b"\r\n")[1:]:
             if line.startswith(b"content-length:"):
                 length = int(line.split(b":", 1)[1])
         total = end + 4 + length
         if len(self.buf) < total:
+            return None
+        return total, bytes(self.buf[end + 4 : total])
+
+    def _next(self) -> None:
+        request = self._request()
+        if request is None:
             return
-        body = bytes(self.buf[end + 4 : total])
+        total, body = request
         del self.buf[:total]
         if b'"stream":true' in body.replace(b" ", b""):
             self.busy = True
@@ -172,17 +179,10 @@ class PacedUpstream(Upstream):
         self.t0 = 0.0
 
     def _next(self) -> None:
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0 or self.transport is None:
+        request = self._request()
+        if request is None:
             return
-        length = 0
-        for line in bytes(self.buf[:end]).lower().split(b"\r\n")[1:]:
-            if line.startswith(b"content-length:"):
-                length = int(line.split(b":", 1)[1])
-        total = end + 4 + length
-        if len(self.buf) < total:
-            return
-        body = bytes(self.buf[end + 4 : total])
+        total, body = request
         m = _MAX_TOKENS.search(body)
         if m is None or b'"stream":true' not in body.replace(b" ", b""):
             super()._next()
