@@ -5,7 +5,12 @@ PY      := $(VENV)/bin/python
 # Versions come from constraints.txt (the set the suites passed with); either file changing
 # reinstalls.
 PYPROJECT_SUM := $(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
-PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
+# The venv's packages are installed by uv (pinned in constraints.txt; pip installs it): the
+# same versions from the same constraints in ~6 s instead of pip's ~60 s (measured on a fresh
+# clone, warm caches: 61.5 s with pip, of `make test`'s 8 min 54 s). pip stays in the venv for
+# `pip download` and for users' own installs.
+UV      := $(VENV)/bin/uv
+PIP_INSTALL := $(UV) pip install -q --python $(PY) -c constraints.txt
 STAMP   := $(VENV)/.installed-$(PYPROJECT_SUM)
 # The [router] extra on top (sglang-router 0.3.2, the slow suite's one legacy test).
 ROUTER_STAMP := $(VENV)/.installed-router-$(PYPROJECT_SUM)
@@ -26,7 +31,7 @@ IMAGE   ?= localhost/kvproxy:$(VERSION)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -U pip
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt uv
 	$(PIP_INSTALL) -e '.[tokenizers,redis,test,dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
