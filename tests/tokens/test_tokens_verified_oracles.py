@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 import hypothesis.strategies as st
@@ -62,36 +62,43 @@ def kvproxy_model(name: str) -> tuple[Any, ChatTemplate | None]:
     return local, load_template(None, local.template)
 
 
-def kvproxy_count(
-    name: str, engine: str, router: str, version: str, route: str, body: bytes, table: Any
-) -> Any:
-    """kvproxy's count of `body` with the model's tokenizer and template, the normalisation
-    of `engine`, and the table read for (engine, version, router); forced past the bound."""
+@lru_cache(maxsize=16)
+def kvproxy_counter(
+    name: str, engine: str, router: str, version: str, table: tuple[Entry, ...]
+) -> TokenCounter:
+    """The counter for one (model, engine, router, version, table), built once: a build
+    proves the template and makes its frames (~90 ms), and the fast suite's differential
+    asked for ~900 of them (30 s). Evicted counters are collected, their threads with them."""
     local, template = kvproxy_model(name)
-    if template is not None:
-        template.engines = (engine,)  # type: ignore[assignment]
     verifier = Verifier([engine], router, table=table)  # type: ignore[list-item,arg-type]
     verifier.observe([(engine, version)])  # type: ignore[list-item]
-    counter = TokenCounter(
+    return TokenCounter(
         bound_rule=local.bound_rule,
         template=template,
         local=local,
         special_tokens=local.special_tokens,
         verifier=verifier,
-        # This holds the exact count to the oracles, not the field gate (tests/prompt/
-        # test_prompt_fields.py): a field the engine's request model lacks (SGLang 0.5.23 has
-        # no add_generation_prompt or documents on chat) is the operator's to declare.
-        fields=FieldPolicy(orjson.loads(body)),
     )
+
+
+def kvproxy_count(
+    name: str, engine: str, router: str, version: str, route: str, body: bytes, table: Any
+) -> Any:
+    """kvproxy's count of `body` with the model's tokenizer and template, the normalisation
+    of `engine`, and the table read for (engine, version, router); forced past the bound."""
+    _, template = kvproxy_model(name)
+    if template is not None:
+        # The template is shared by every counter of the model: its engine is set per count.
+        template.engines = (engine,)  # type: ignore[assignment]
+    counter = kvproxy_counter(name, engine, router, version, table)
+    # This holds the exact count to the oracles, not the field gate (tests/prompt/
+    # test_prompt_fields.py): a field the engine's request model lacks (SGLang 0.5.23 has
+    # no add_generation_prompt or documents on chat) is the operator's to declare.
+    counter.fields = FieldPolicy(orjson.loads(body))
     counter.early_stop = False  # the whole exact count, not a decision
-
-    async def run() -> Any:
-        try:
-            return await counter.count(parse_request(route, body), 0)
-        finally:
-            await counter.aclose()
-
-    return asyncio.run(run())
+    # One count at a time, each on its own loop: the counter's semaphore never waits, so
+    # it binds to none of them (asyncio primitives bind on their first wait).
+    return asyncio.run(counter.count(parse_request(route, body), 0))
 
 
 def differential(
