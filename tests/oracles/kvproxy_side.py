@@ -82,7 +82,7 @@ def settings_for(model_dir: Path, engine: str, **extra: Any) -> dict[str, Any]:
     return out
 
 
-_LOADS: dict[str, Any] = {}
+_LOADS: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
 _LOADS_KEPT = 4
 
 
@@ -99,7 +99,7 @@ def _shared_tokenizer_loads() -> Iterator[None]:
         return
 
     def cached(path: Any, **kwargs: Any) -> Any:
-        key = str(path)
+        key = (str(path), tuple(sorted(kwargs.items())))  # the backend is a keyword
         hit = _LOADS.get(key)
         if hit is None:
             hit = original(path, **kwargs)

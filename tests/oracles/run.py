@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -61,7 +62,12 @@ def run(
     result = Result()
     for name in models:
         model = load_model(name)
-        side = _Sides(model)
+        # The fast pass counts with HF tokenizers (`tokenizer_backend: hf`): what it holds to
+        # the engines is the replica and its normalisation, the same with either backend, and
+        # fastokens' load and start-up check were two thirds of its time (24 of 62 s on one
+        # core). fastokens is held to HF by its own sweeps (tests/tokens/test_tokens_fast.py,
+        # the chat differential's `-fast` cases); the slow pass runs the default backend.
+        side = _Sides(model, {"tokenizer_backend": "hf"} if suite == "fast" else {})
         try:
             for case in corpus.CASES:
                 if not every_model and name not in (case.models or REPRESENTATIVES):
@@ -125,14 +131,15 @@ def run_in_processes(
 class _Sides:
     """kvproxy counters for one model, one per kvproxy configuration, built on demand."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, extra: dict[str, Any]) -> None:
         self.model = model
+        self.extra = extra  # settings on top of the engine's (oracles.kvproxy_side.settings_for)
         self.sides: dict[str, KvproxySide] = {}
 
     def __call__(self, engine: str) -> KvproxySide:
         key = config_key(KVPROXY_ENGINE[engine])
         if key not in self.sides:
-            self.sides[key] = KvproxySide(self.model.directory, key)
+            self.sides[key] = KvproxySide(self.model.directory, key, **self.extra)
         return self.sides[key]
 
     def close(self) -> None:
