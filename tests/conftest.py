@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 from hypothesis import settings
 from kvtest import SUMMARIES, FakeUpstream, SummarySections, add_summary
+from shared_loads import shared_tokenizer_loads as _shared_loads
 
 # CI (CI=true) runs every property test on a fixed sequence of examples, so a landing never
 # depends on which examples one run happened to draw; local runs keep exploring, and what
@@ -21,6 +22,15 @@ from kvtest import SUMMARIES, FakeUpstream, SummarySections, add_summary
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture(scope="module")
+def shared_tokenizer_loads() -> Iterator[None]:
+    """Each `hf:` tokenizer loaded once for the module (tests/shared_loads.py): for modules
+    that start a proxy or build a counter per test. `pytestmark =
+    pytest.mark.usefixtures("shared_tokenizer_loads")`."""
+    with _shared_loads():
+        yield
 
 
 @pytest.fixture

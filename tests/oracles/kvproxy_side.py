@@ -14,14 +14,12 @@ modules touches one file here. `test_oracle_serve.py` holds it equal to a real
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import copy
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import kvproxy.tokens as kv_tokens
+from shared_loads import shared_tokenizer_loads
+
 from kvproxy.capacity.limits import Limits
 from kvproxy.config import Settings, load_settings
 from kvproxy.policy import admission
@@ -82,48 +80,13 @@ def settings_for(model_dir: Path, engine: str, **extra: Any) -> dict[str, Any]:
     return out
 
 
-_LOADS: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
-_LOADS_KEPT = 4
-
-
-@contextlib.contextmanager
-def _shared_tokenizer_loads() -> Iterator[None]:
-    """Loading an `hf:` tokenizer (HF, then fastokens and their agreement check) takes
-    ~5 s here; the suites build several counters per model (one per engine), so the
-    loaded tokenizer is reused for the same path, each counter getting its own copy of the
-    object and of its template (build_counter sets the template's engines). Only around
-    build_counter; a kvproxy without `tokens.load_hf_counting` simply loads every time."""
-    original = getattr(kv_tokens, "load_hf_counting", None)
-    if original is None:
-        yield
-        return
-
-    def cached(path: Any, **kwargs: Any) -> Any:
-        key = (str(path), tuple(sorted(kwargs.items())))  # the backend is a keyword
-        hit = _LOADS.get(key)
-        if hit is None:
-            hit = original(path, **kwargs)
-            _LOADS[key] = hit
-            while len(_LOADS) > _LOADS_KEPT:
-                _LOADS.pop(next(iter(_LOADS)))
-        local = copy.copy(hit)
-        if getattr(local, "template", None) is not None:
-            local.template = copy.copy(local.template)
-        return local
-
-    kv_tokens.load_hf_counting = cached  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        kv_tokens.load_hf_counting = original  # type: ignore[attr-defined]
-
-
 class KvproxySide:
     def __init__(self, model_dir: Path, engine: str, **extra: Any) -> None:
         self.engine = engine
         self.settings = load_settings(**settings_for(model_dir, engine, **extra))
         self._loop = asyncio.new_event_loop()
-        with _shared_tokenizer_loads():
+        # Several counters per model (one per engine): one load (tests/shared_loads.py).
+        with shared_tokenizer_loads():
             self.counter = build_counter(self.settings)
         # As a deployment in front of the release an oracle replicates: the capacity probe
         # would report that version, and the verified table is read for it.

@@ -18,6 +18,9 @@ from tokenizer_files import real_tokenizer_dir
 
 from kvproxy.prompt.parse import parse_request
 
+# A proxy or a counter per test with the same `hf:` tokenizer: one load (tests/shared_loads.py).
+pytestmark = pytest.mark.usefixtures("shared_tokenizer_loads")
+
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
 BIG = 50_000  # asks for more than the 3,000-token decode pool can hold
 

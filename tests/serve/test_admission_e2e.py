@@ -17,6 +17,9 @@ from tokenizer_files import real_tokenizer_dir
 
 from kvproxy.sim.tokenizer import ChatRenderer, load_tokenizer
 
+# A proxy or a counter per test with the same `hf:` tokenizer: one load (tests/shared_loads.py).
+pytestmark = pytest.mark.usefixtures("shared_tokenizer_loads")
+
 CHAT = "/v1/chat/completions"
 LIMIT = 5315  # the simulator's demo pool: max_req_input_len 5,316 - 1
 

@@ -23,6 +23,9 @@ from tokenizer_files import real_tokenizer_dir
 from kvproxy.prompt import sliced
 from kvproxy.serve import handler
 
+# A proxy or a counter per test with the same `hf:` tokenizer: one load (tests/shared_loads.py).
+pytestmark = pytest.mark.usefixtures("shared_tokenizer_loads")
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 TEXT = 'Résumé of "the plan":\n\t1. naïve café 中文文本 😀\\ then more prose. ' * 40

@@ -30,6 +30,9 @@ from kvproxy.tokens.counter import TokenCounter
 from kvproxy.tokens.exact.local import HfTokenizer, load_hf
 from kvproxy.tokens.replica.chatnorm import ENGINE_KINDS, content_formats
 
+# A proxy or a counter per test with the same `hf:` tokenizer: one load (tests/shared_loads.py).
+pytestmark = pytest.mark.usefixtures("shared_tokenizer_loads")
+
 CHAT = "/v1/chat/completions"
 W = "word " * 100
 BIG_W = "word " * 13_200  # 66 KB: past the placeholder threshold (BIG_CHARS)

@@ -20,6 +20,9 @@ from kvproxy.prompt import parse_request
 from kvproxy.tokens.counter import TokenCounter, unmodeled_keys
 from kvproxy.tokens.exact.local import load_hf
 
+# A proxy or a counter per test with the same `hf:` tokenizer: one load (tests/shared_loads.py).
+pytestmark = pytest.mark.usefixtures("shared_tokenizer_loads")
+
 W = "word " * 400  # ~400 tokens of text
 
 

@@ -26,7 +26,8 @@ from kvproxy.tokens import TokenCount, TokenCounter, build_counter
 
 # The lag this module judges is this process's own: `make test` runs it alone, after the
 # parallel workers, whose CPU load would otherwise stall the loop under test.
-pytestmark = pytest.mark.serial
+# A counter per test with the same `hf:` tokenizer: one load (tests/shared_loads.py).
+pytestmark = [pytest.mark.serial, pytest.mark.usefixtures("shared_tokenizer_loads")]
 
 T = TypeVar("T")
 LAG_LIMIT_S = 0.02
