@@ -62,7 +62,8 @@ SIZES = [
     pytest.param(FAST_CONVERSATIONS, id="fast"),
     pytest.param(CONVERSATIONS, id="full", marks=sweep.SLOW_SWEEP),
 ]
-MODELS = sweep.every(template_models())
+# Every family in `make test`, the heavy one too: this is I1 against transformers.
+MODELS = sweep.every(template_models(), heavy=True)
 pytestmark = pytest.mark.no_cover
 
 _WORDS = ["hello", "world", "the", "data", "def", "x = 1", "数据", "テスト", "émoji 👩‍👩‍👧", "  "]
