@@ -7,8 +7,9 @@ suite's time. The families (tests/oracles/models.py: templates grouped by how th
 roles, tools and reasoning) are what the sweeps tell apart; the fast suite keeps one model
 of each, with the tokenizer it is counted with, and the slow suite (CI runs both) every
 other one, except HEAVY below (its family's I1 checks stay fast, its other sweeps are slow).
-A template no family names runs in the fast suite: a new template is never slow by default. Tokenizer sweeps (`templates=False`) keep only the fast models' tokenizers:
-kvproxy's own start-up check compares fastokens with HF on every tokenizer it loads.
+A template no family names runs in the fast suite: a new template is never slow by default.
+Tokenizer sweeps (`templates=False`) keep only the fast models' tokenizers: kvproxy's own
+start-up check compares fastokens with HF on every tokenizer it loads.
 """
 
 from __future__ import annotations
