@@ -140,7 +140,7 @@ test: $(STAMP) sysdeps $(SGLANG_PROTOCOL)
 	  --cov=kvproxy --cov-append --cov-report=term
 
 # The slow suite (soak, the real routers, real Prometheus end to end, the built image): the
-# sweeps (587 of its 632 tests: every template and tokenizer against transformers and the
+# sweeps (603 of its 648 tests: every template and tokenizer against transformers and the
 # oracles; CPU-bound, judged on counts) on every core first, then the rest (45) one test at a
 # time: it holds the timing-sensitive end-to-end cases.
 test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
