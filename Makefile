@@ -147,7 +147,7 @@ test-slow: $(ROUTER_STAMP) $(SMG_STAMP) sysdeps image
 	$(PYTEST) $(PYTEST_ARGS) -m "slow and sweep and not real" -n $(TEST_WORKERS) --dist worksteal
 	KVPROXY_IMAGE=$(IMAGE) $(PYTEST) $(PYTEST_ARGS) -m "slow and not sweep and not real" --durations=15
 	# The hostile fuzzers at 1000 examples each (`make test` runs 100: tests/hostile), and the
-	# relay's HTTP/1.1 reading against h11 on 2,000 unseeded streams (`make test`: 300 seeded).
+	# relay's HTTP/1.1 reading against h11 on 2,000 streams (`make test`: 300).
 	KVPROXY_FUZZ_EXAMPLES=1000 $(PYTEST) $(PYTEST_ARGS) -m "not slow" -n $(TEST_WORKERS) tests/hostile
 	KVPROXY_H11_EXAMPLES=2000 $(PYTEST) $(PYTEST_ARGS) -m "not slow" tests/upstream/test_upstream_h11.py
 
