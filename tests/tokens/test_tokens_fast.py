@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -278,7 +277,7 @@ def _pools() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module", params=sweep.every(LOADABLE, templates=False))
-def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+def pair(request: pytest.FixtureRequest, worker_id: str) -> Iterator[Pair]:
     """One tokenizer pair; pytest groups the tests by it. The next one in ORDER loads
     meanwhile if it is in the same suite and the run is not spread over workers (at most
     two pairs are in memory)."""
@@ -289,7 +288,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     # The next pair loads meanwhile only in a run of its own: under pytest-xdist the cores are
     # busy with the other workers, and a worker whose stretch of this module ends waits in
     # `_pools`' teardown for a load nobody reads (8.6 s twice in one fast suite, --durations).
-    alone = "PYTEST_XDIST_WORKER" not in os.environ
+    alone = worker_id == "master"  # pytest-xdist's name for a run without workers
     if (
         alone
         and following < len(ORDER)
