@@ -27,7 +27,7 @@ else
   "${pip[@]}" -U pip
   # torch first, pinned to the CPU build, so that nothing pulls the CUDA torch: from the
   # configured indexes (this machine's pip finds it in /opt/wheels), else from the PyTorch CPU
-  # index (its host does not resolve here: asked first, it costs ~7 s of retries per package)
+  # index (its host does not resolve here: asked first, it costs ~8 s of retries per package)
   torch=("torch==$TORCH_VERSION")
   if ! "${pip[@]}" "${torch[@]}" 2>/dev/null; then
     echo "torch==$TORCH_VERSION is not on the configured indexes: from the PyTorch CPU index"

@@ -9,8 +9,8 @@
 # CPU torch comes from the configured indexes when they serve the +cpu wheel (this machine's
 # pip finds it in /opt/wheels), else from the PyTorch CPU index (KVPROXY_TORCH_INDEX: a URL to
 # use it from the start, empty for the configured indexes alone). Asked first, the PyTorch
-# index cost a fresh install here ~7 s of retries per package: its host does not resolve.
-# Measured on the shared 2-core machine: 74 s, 2.6 GB (torch CPU + triton ~1.7 GB of it).
+# index cost a fresh install here ~8 s of retries per package: its host does not resolve.
+# Measured on the 2-core machine: 74-90 s fresh, 2.6 GB (torch CPU + triton ~1.7 GB of it).
 set -euo pipefail
 VENV=${1:?usage: install.sh VENV}
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
