@@ -55,7 +55,7 @@ smg: $(SMG_STAMP)
 # the script keeps a venv that already has these versions and only refreshes the hooks.
 VLLM_VERSION := 0.32.0
 VLLM_VENV    ?= $(HOME)/.cache/kvproxy/venv-vllm-$(VLLM_VERSION)
-VLLM_SUM     := $(shell cat tests/real/install_vllm.sh tests/real/*_no_*.py | cksum | cut -d' ' -f1)
+VLLM_SUM     := $(shell cat tests/real/install_vllm.sh tests/real/cpu_torch.sh tests/real/*_no_*.py | cksum | cut -d' ' -f1)
 VLLM_STAMP   := $(VLLM_VENV)/.installed-vllm-$(VLLM_VERSION)-$(VLLM_SUM)
 $(VLLM_STAMP):
 	tests/real/install_vllm.sh $(VLLM_VENV)
@@ -80,7 +80,7 @@ $(SGLANG_PROTOCOL): $(STAMP)
 # changing re-runs it (idempotent: ~15 s on a complete venv).
 KVPROXY_SGLANG_VENV ?= $(HOME)/.cache/kvproxy/venv-sglang-$(SGLANG_VERSION)
 SGLANG_REAL_STAMP   := $(KVPROXY_SGLANG_VENV)/.installed-sglang-real-$(SGLANG_VERSION)
-$(SGLANG_REAL_STAMP): tests/oracles/sglang_real/install.sh tests/oracles/sglang_real/worker.py
+$(SGLANG_REAL_STAMP): tests/oracles/sglang_real/install.sh tests/real/cpu_torch.sh tests/oracles/sglang_real/worker.py
 	tests/oracles/sglang_real/install.sh $(KVPROXY_SGLANG_VENV)
 	rm -f $(KVPROXY_SGLANG_VENV)/.installed-sglang-real-*
 	touch $(SGLANG_REAL_STAMP)

